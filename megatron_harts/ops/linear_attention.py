@@ -1,0 +1,110 @@
+"""Tree-aware chunked linear attention: gated delta rule (GDN) and scalar-gated (Mamba2 SSD).
+
+Contract: for every trajectory i with compact indices ``idx_i``, ``o[idx_i]`` equals the op run
+on ``q[idx_i], k[idx_i], ...`` alone from a zero state. The chunk plan (``plan.chunk_plan``)
+turns the tree into rounds; each round is one varlen kernel call whose initial states are
+gathered from the previous round's final states (fp32, differentiable).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..packing import TreePack
+from .chunk_torch import chunk_gated_delta_rule_torch, chunk_simple_gla_torch
+from .plan import ChunkPlan, ChunkRound, chunk_plan
+
+BACKENDS = ("auto", "torch", "fla")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "fla" if device.type == "cuda" else "torch"
+    if backend == "fla" and device.type != "cuda":
+        raise ValueError("backend='fla' needs CUDA tensors (fla's kernels are Triton); use backend='torch' on CPU")
+    return backend
+
+
+def run_rounds(plan: ChunkPlan, inputs: list[torch.Tensor],
+               kernel: Callable[[list[torch.Tensor], ChunkRound, torch.Tensor | None, bool], tuple]) -> torch.Tensor:
+    """Execute ``plan``: per round, gather ``inputs`` (compact ``[T, ...]``), call
+    ``kernel(xs, round, initial_state, output_final_state) -> (o, final_state)``, keep owned
+    outputs; returns outputs in compact order."""
+    outs, final = [], None
+    last = len(plan.rounds) - 1
+    for r, rd in enumerate(plan.rounds):
+        xs = [x.index_select(0, rd.gather) for x in inputs]
+        init = None if rd.init_from is None else final.index_select(0, rd.init_from)
+        o, final = kernel(xs, rd, init, r < last)
+        outs.append(o.index_select(0, rd.keep))
+    return torch.cat(outs).index_select(0, plan.inverse)
+
+
+def _check(pack: TreePack, name: str, x: torch.Tensor, ndim: int):
+    if x.dim() != ndim or x.shape[0] != pack.num_tokens:
+        raise ValueError(f"{name}: expected {ndim} dims with {pack.num_tokens} compact tokens first, "
+                         f"got shape {tuple(x.shape)}")
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int = 64, scale: float | None = None,
+                          backend: str = "auto", use_qk_l2norm_in_kernel: bool = False) -> torch.Tensor:
+    """Gated delta rule over the compact tokens of ``pack``.
+
+    q, k ``[T, H, K]``; v ``[T, HV, V]`` (HV a multiple of H); g (log decay) and beta ``[T, HV]``.
+    Returns o ``[T, HV, V]`` in v's dtype.
+    """
+    for name, x, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
+        _check(pack, name, x, nd)
+    if v.shape[1] % q.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads, not a multiple of q's {q.shape[1]}")
+    backend = resolve_backend(backend, q.device)
+    if use_qk_l2norm_in_kernel and backend == "torch":
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    plan = chunk_plan(pack, chunk_size)
+
+    if backend == "torch":
+        def kernel(xs, rd, init, want_final):
+            return chunk_gated_delta_rule_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
+                                                scale=scale, initial_state=init, output_final_state=want_final)
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        def kernel(xs, rd, init, want_final):
+            o, fs = chunk_gated_delta_rule(*(x.unsqueeze(0) for x in xs), scale=scale, initial_state=init,
+                                           output_final_state=want_final, cu_seqlens=rd.cu_seqlens,
+                                           cu_seqlens_cpu=rd.cu_seqlens_cpu,
+                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                           chunk_size=chunk_size)
+            return o.squeeze(0), (fs.float() if fs is not None else None)
+
+    return run_rounds(plan, [q, k, v, g, beta], kernel)
+
+
+def tree_simple_gla(q, k, v, g, pack: TreePack, *, chunk_size: int = 64, scale: float | None = None,
+                    backend: str = "auto") -> torch.Tensor:
+    """Scalar-gated linear attention (Mamba2 SSD: q=C, k=B, v=x*dt, g=A*dt) over ``pack``.
+
+    q, k ``[T, H, K]``; v ``[T, H, V]``; g ``[T, H]`` (log decay). Returns ``[T, H, V]``.
+    """
+    for name, x, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2)):
+        _check(pack, name, x, nd)
+    backend = resolve_backend(backend, q.device)
+    plan = chunk_plan(pack, chunk_size)
+
+    if backend == "torch":
+        def kernel(xs, rd, init, want_final):
+            return chunk_simple_gla_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
+                                          scale=scale, initial_state=init, output_final_state=want_final)
+    else:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        def kernel(xs, rd, init, want_final):
+            o, fs = chunk_simple_gla(*(x.unsqueeze(0) for x in xs), scale=scale, initial_state=init,
+                                     output_final_state=want_final, cu_seqlens=rd.cu_seqlens,
+                                     cu_seqlens_cpu=rd.cu_seqlens_cpu)
+            return o.squeeze(0), (fs.float() if fs is not None else None)
+
+    return run_rounds(plan, [q, k, v, g], kernel)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create .venv with a Python >= 3.12 and install megatron_harts with its test extras.
+# Usage: scripts/setup.sh            (idempotent; re-installs the package in place)
+# Env:   HARTS_PYTHON=/path/to/python3.12   to choose the interpreter explicitly.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
+
+find_python() {
+  if [ -n "${HARTS_PYTHON:-}" ]; then
+    ok "$HARTS_PYTHON" && { echo "$HARTS_PYTHON"; return; }
+    echo "HARTS_PYTHON=$HARTS_PYTHON is not a Python >= 3.12" >&2; return 1
+  fi
+  local c
+  # Prefer 3.12 (the tested version), then newer ones: on PATH first, then pyenv's versions.
+  for c in python3.12 python3 python3.13 python3.14; do
+    if command -v "$c" >/dev/null 2>&1 && ok "$(command -v "$c")"; then command -v "$c"; return; fi
+  done
+  local root_dir=${PYENV_ROOT:-$HOME/.pyenv}
+  for c in $(ls -d "$root_dir"/versions/3.12* 2>/dev/null | sort -rV) \
+           $(ls -d "$root_dir"/versions/3.1[3-9]* 2>/dev/null | sort -V); do
+    if [ -x "$c/bin/python3" ] && ok "$c/bin/python3"; then echo "$c/bin/python3"; return; fi
+  done
+  echo "error: no Python >= 3.12 found (looked on PATH, then in $root_dir/versions)." >&2
+  echo "       megatron-core 0.19 needs Python >= 3.12; install one or set HARTS_PYTHON." >&2
+  return 1
+}
+
+if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
+  py=$(find_python)
+  echo "[setup] creating .venv with $py ($("$py" --version))"
+  rm -rf .venv
+  "$py" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -c 'import megatron_harts, torch, megatron.core; print("[setup] ok: torch", torch.__version__, "megatron-core", megatron.core.__version__)'

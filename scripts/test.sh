@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the test suite on CPU. Extra args go to pytest.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+[ -x .venv/bin/python ] && .venv/bin/python -c 'import megatron_harts, megatron.core, fla, hypothesis' 2>/dev/null \
+  || bash scripts/setup.sh
+exec .venv/bin/python -m pytest -q tests "$@"

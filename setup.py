@@ -1,0 +1,31 @@
+"""megatron_harts: tree-packed agentic RL training for hybrid-attention models on Megatron-Core."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_harts",
+    version="0.1.0",
+    description="HARTS: prefix-shared training of hybrid-attention models over rollout trees, "
+    "as a Megatron-Core plugin",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_harts", "megatron_harts.*"]),
+    python_requires=">=3.12",
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.19,<0.20",
+        "fla-core>=0.6,<0.7",
+        "flash-linear-attention>=0.6,<0.7",
+        "triton>=3.2; platform_system == 'Linux'",
+        "numpy>=1.26",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+        "bench": ["matplotlib>=3.8"],
+        "te": ["transformer-engine>=2.0"],
+        "apex": ["apex"],
+        "rollout": ["sglang>=0.5"],
+    },
+    entry_points={"console_scripts": ["harts-demo=megatron_harts.demo:main",
+                                      "harts-verify=megatron_harts.verify:main"]},
+)

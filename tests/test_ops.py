@@ -1,0 +1,203 @@
+"""Tree ops against each trajectory computed alone with the plain recurrent / dense forms."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+from megatron_harts.ops import (chunk_plan, tree_attention, tree_causal_conv1d, tree_gated_delta_rule,
+                                tree_simple_gla, tree_token_logprobs)
+from megatron_harts.ops import reference as ref
+from megatron_harts.packing import pack
+from megatron_harts.tree import RolloutTree
+from trees import corner_cases, trajectory_sets
+
+TOL = 1e-5
+
+
+def _pack(trajs, C):
+    return pack([RolloutTree.from_trajectories(trajs)], chunk_size=C)
+
+
+def _rel(a, b):
+    a, b = a.detach(), b.detach()
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
+
+
+def _compare(pack_, inputs, tree_fn, traj_fn, seed=0, per_token=None):
+    """Run ``tree_fn`` on compact leaves and ``traj_fn`` per trajectory (float64 copies of the same
+    leaves; the first ``per_token`` inputs are per compact token and get gathered, the rest are
+    parameters); compare outputs and the gradients of a random per-trajectory-token loss."""
+    per_token = len(inputs) if per_token is None else per_token
+    g = torch.Generator().manual_seed(seed)
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = tree_fn(*leaves)
+    ws = [torch.randn((len(i),) + tuple(out.shape[1:]), generator=g, dtype=torch.float64)
+          for i in pack_.index_of_trajectory]
+    loss = sum((out[i].double() * w).sum() for i, w in zip(pack_.index_of_trajectory, ws))
+    grads = torch.autograd.grad(loss, leaves)
+
+    leaves_r = [x.detach().clone().requires_grad_(True) for x in inputs]
+    outs_r = [traj_fn(*(x.double()[i] if n < per_token else x.double() for n, x in enumerate(leaves_r)))
+              for i in pack_.index_of_trajectory]
+    loss_r = sum((o * w).sum() for o, w in zip(outs_r, ws))
+    grads_r = torch.autograd.grad(loss_r, leaves_r)
+    for i, o_r in zip(pack_.index_of_trajectory, outs_r):
+        assert _rel(out[i], o_r) < TOL, f"output rel err {_rel(out[i], o_r):.2e}"
+    for n, (a, b) in enumerate(zip(grads, grads_r)):
+        assert _rel(a, b) < TOL, f"grad of input {n}: rel err {_rel(a, b):.2e}"
+
+
+def _gdn_inputs(T, H=2, HV=4, K=8, V=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    k = F.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    v = torch.randn(T, HV, V, generator=g)
+    gate = F.logsigmoid(torch.randn(T, HV, generator=g) + 2)
+    beta = torch.rand(T, HV, generator=g)
+    return [q, k, v, gate, beta]
+
+
+def _check_gdn(trajs, C, seed=0):
+    p = _pack(trajs, C)
+    _compare(p, _gdn_inputs(p.num_tokens, seed=seed),
+             lambda *x: tree_gated_delta_rule(*x, p, chunk_size=C, backend="torch"),
+             lambda *x: ref.recurrent_gated_delta_rule(*x)[0], seed)
+
+
+def _check_gla(trajs, C, seed=0):
+    p = _pack(trajs, C)
+    q, k, v, gate, _ = _gdn_inputs(p.num_tokens, H=3, HV=3, seed=seed)
+    _compare(p, [q, k, v, gate], lambda *x: tree_simple_gla(*x, p, chunk_size=C, backend="torch"),
+             lambda *x: ref.recurrent_simple_gla(*x)[0], seed)
+
+
+@given(trajectory_sets(chunk_size=4), st.integers(0, 3))
+def test_gated_delta_rule_random_trees(trajs, seed):
+    _check_gdn(trajs, 4, seed)
+
+
+@given(trajectory_sets(chunk_size=4), st.integers(0, 3))
+def test_simple_gla_random_trees(trajs, seed):
+    _check_gla(trajs, 4, seed)
+
+
+@pytest.mark.parametrize("case", list(corner_cases(8)))
+def test_gated_delta_rule_corner_cases(case):
+    _check_gdn(corner_cases(8)[case], 8)
+
+
+@pytest.mark.parametrize("case", ["on_boundary", "one_past", "one_before", "deep", "wide"])
+def test_simple_gla_corner_cases(case):
+    _check_gla(corner_cases(8)[case], 8)
+
+
+def test_gated_delta_rule_fla_chunk_size():
+    """fla's chunk size (64) with branch points around 64 and 128."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 30, size=200).tolist()
+    trajs = [base, base[:64] + [31] * 10, base[:65] + [32] * 70, base[:127] + [33] * 3, base[:150]]
+    _check_gdn(trajs, 64)
+
+
+def test_plan_matches_trajectory_partition():
+    """Every trajectory chunk [kC, (k+1)C) is computed in exactly one sequence, starting on a
+    chunk boundary of it; replay is < C tokens per sequence."""
+    C = 4
+    trajs = corner_cases(C)["deep"] + corner_cases(C)["one_before"]
+    p = _pack(trajs, C)
+    plan = chunk_plan(p, C)
+    pos = p.position_ids
+    for rd in plan.rounds:
+        starts = rd.cu_seqlens_cpu[:-1]
+        assert (pos[rd.gather[starts]] % C == 0).all()
+        lens = rd.cu_seqlens_cpu.diff()
+        kept = torch.zeros(len(rd.gather), dtype=torch.bool)
+        kept[rd.keep] = True
+        seg = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        replay = torch.bincount(seg[~kept], minlength=len(lens))
+        assert (replay < C).all()
+    owned = torch.cat([rd.gather[rd.keep] for rd in plan.rounds])
+    assert sorted(owned.tolist()) == list(range(p.num_tokens))
+
+
+@pytest.mark.parametrize("trajs, C, rounds, sequences, replay", [
+    ([[1] * 10], 4, 1, 1, 0),                                    # one chain: one call
+    ([[1] * 8 + [2] * 4, [1] * 8 + [3] * 4], 4, 2, 3, 0),        # branch on a boundary
+    ([[1] * 9 + [2] * 3, [1] * 9 + [3] * 3], 4, 2, 3, 1),        # one past: replay 1
+    ([[1] * 7 + [2] * 5, [1] * 7 + [3] * 5], 4, 2, 3, 3),        # one before: replay 3
+    ([[1] * 6, [1] * 5 + [2]], 4, 2, 3, 1),                      # branch inside chunk 1
+    ([[1, 2, 3, 4, 5], [1, 2, 3]], 4, 1, 1, 0),                  # prefix leaf absorbed
+    ([[1] * 12, [1] * 4 + [2] * 8, [1] * 4 + [2] * 4 + [3] * 4], 4, 3, 5, 0),  # height 3
+    ([[1] * 4 + [k] * 2 for k in range(2, 7)], 4, 2, 6, 0),      # 5 children: one round
+    ([[1], [2], [3]], 4, 1, 3, 0),                               # three roots
+])
+def test_round_count_equals_sequence_tree_height(trajs, C, rounds, sequences, replay):
+    plan = chunk_plan(_pack(trajs, C), C)
+    assert (plan.num_rounds, plan.num_sequences, plan.num_replay_tokens) == (rounds, sequences, replay)
+
+
+# ---- short conv, attention, log-probs -------------------------------------------------------------
+
+@given(trajectory_sets(chunk_size=4), st.integers(2, 5), st.booleans(), st.integers(0, 3))
+def test_causal_conv1d_random_trees(trajs, W, silu, seed):
+    p = _pack(trajs, 4)
+    g = torch.Generator().manual_seed(seed)
+    D = 6
+    act = "silu" if silu else None
+    inputs = [torch.randn(p.num_tokens, D, generator=g), torch.randn(D, W, generator=g), torch.randn(D, generator=g)]
+    _compare(p, inputs, lambda x, w, b: tree_causal_conv1d(x, w, b, p, activation=act),
+             lambda x, w, b: ref.causal_conv1d(x, w, b, act), seed, per_token=1)
+
+
+@pytest.mark.parametrize("case", list(corner_cases(8)))
+def test_attention_corner_cases(case):
+    p = _pack(corner_cases(8)[case], 8)
+    g = torch.Generator().manual_seed(0)
+    T = p.num_tokens
+    inputs = [torch.randn(T, 4, 8, generator=g), torch.randn(T, 2, 8, generator=g), torch.randn(T, 2, 8, generator=g)]
+    _compare(p, inputs, lambda q, k, v: tree_attention(q, k, v, p, backend="torch"),
+             lambda q, k, v: ref.causal_attention(q, k, v))
+
+
+@given(st.lists(trajectory_sets(chunk_size=4), min_size=1, max_size=3), st.integers(0, 3))
+def test_attention_random_multi_tree_packs(trees, seed):
+    p = pack([RolloutTree.from_trajectories(t) for t in trees])
+    g = torch.Generator().manual_seed(seed)
+    T = p.num_tokens
+    inputs = [torch.randn(T, 2, 4, generator=g), torch.randn(T, 2, 4, generator=g), torch.randn(T, 2, 4, generator=g)]
+    _compare(p, inputs, lambda q, k, v: tree_attention(q, k, v, p, backend="torch"),
+             lambda q, k, v: ref.causal_attention(q, k, v), seed)
+
+
+@given(trajectory_sets(chunk_size=4), st.integers(0, 3))
+def test_token_logprobs_random_trees(trajs, seed):
+    p = _pack(trajs, 4)
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(p.num_tokens, 7, generator=g)).requires_grad_(True)
+    lps = tree_token_logprobs(logits, p)
+    ws = [torch.randn(len(x), generator=g) for x in lps]
+    grad = torch.autograd.grad(sum((x * w).sum() for x, w in zip(lps, ws)), logits)[0]
+    logits_r = logits.detach().clone().requires_grad_(True)
+    refs = [ref.token_logprobs(logits_r.double()[i], p.tokens[i]) for i in p.index_of_trajectory]
+    grad_r = torch.autograd.grad(sum((x * w).sum() for x, w in zip(refs, ws)), logits_r)[0]
+    for a, b in zip(lps, refs):
+        torch.testing.assert_close(a.detach().double(), b.detach(), atol=1e-5, rtol=0)
+    assert _rel(grad, grad_r) < TOL
+
+
+def test_bad_inputs_raise_clear_errors():
+    p = _pack([[1, 2, 3]], 4)
+    x = _gdn_inputs(3)
+    with pytest.raises(ValueError, match="q: expected"):
+        tree_gated_delta_rule(x[0][:2], *x[1:], p)
+    with pytest.raises(ValueError, match="multiple of"):
+        tree_gated_delta_rule(x[0], x[1], x[2][:, :3], x[3][:, :3], x[4][:, :3], p)
+    with pytest.raises(ValueError, match="backend"):
+        tree_gated_delta_rule(*x, p, backend="cuda-magic")
+    with pytest.raises(ValueError, match="fla"):
+        tree_gated_delta_rule(*x, p, backend="fla")
+    with pytest.raises(ValueError, match="outside the logits"):
+        tree_token_logprobs(torch.randn(3, 2), p)
+    with pytest.raises(ValueError, match="weight"):
+        tree_causal_conv1d(torch.randn(3, 4), torch.randn(5, 4), None, p)
