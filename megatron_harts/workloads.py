@@ -65,3 +65,34 @@ def agentic_batch(cfg: AgenticConfig = AgenticConfig()) -> list[Trajectory]:
                                        loss_mask=mask, old_logprobs=old, ref_logprobs=old, advantage=float(adv[s]),
                                        reward=float(rewards[s])))
     return out
+
+
+def sweep_trees(total_tokens: int, compression: float, *, group_size: int = 16, branches: int = 4,
+                tokens_per_group: int = 65536, vocab_size: int = 32000, seed: int = 0) -> list[list[list[int]]]:
+    """Token lists of groups with about ``total_tokens`` trajectory tokens and the target
+    compression (1 < compression < group_size).
+
+    Each group: a prompt of P tokens, ``branches`` mid branches of M tokens, each split into
+    ``group_size / branches`` leaves of S tokens, with M = S, so
+    ``compression = n (P + 2S) / (P + (b + n) S)``. Lengths are jittered by +-10% and never
+    aligned to chunk boundaries on purpose.
+    """
+    n, b = group_size, branches
+    if not 1 < compression < n:
+        raise ValueError(f"compression must be in (1, {n}) for groups of {n}, got {compression}")
+    groups = max(1, round(total_tokens / tokens_per_group))
+    L = total_tokens // (groups * n)
+    S = L * (n / compression - 1) / (b + n - 2)      # from c = nL / (L - 2S + (b + n) S)
+    P = max(1.0, L - 2 * S)
+    rng = np.random.default_rng(seed)
+    jit = lambda x: max(1, int(x * rng.uniform(0.9, 1.1)))
+    out = []
+    for _ in range(groups):
+        prompt = rng.integers(0, vocab_size, size=jit(P)).tolist()
+        trajs = []
+        for _ in range(b):
+            mid = rng.integers(0, vocab_size, size=jit(S)).tolist()
+            for _ in range(n // b):
+                trajs.append(prompt + mid + rng.integers(0, vocab_size, size=jit(S)).tolist())
+        out.append(trajs)
+    return out

@@ -201,3 +201,19 @@ def test_bad_inputs_raise_clear_errors():
         tree_token_logprobs(torch.randn(3, 2), p)
     with pytest.raises(ValueError, match="weight"):
         tree_causal_conv1d(torch.randn(3, 4), torch.randn(5, 4), None, p)
+
+
+@pytest.mark.parametrize("case", list(corner_cases(8)))
+def test_conv_fix_rows_patch_a_plain_conv(case):
+    """The fla conv backend = plain causal conv over the compact array + recomputed fix rows;
+    emulated here with the reference conv (fla's kernel is GPU-only)."""
+    from megatron_harts.ops.conv import _gather_conv
+    from megatron_harts.ops.plan import conv_ancestors, conv_fix_rows
+    p = _pack(corner_cases(8)[case], 8)
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(p.num_tokens, 5, generator=g), torch.randn(5, 4, generator=g), torch.randn(5, generator=g)
+    rows = conv_fix_rows(p, 4)
+    y = ref.causal_conv1d(x, w, b, "silu")
+    y = y.index_copy(0, rows, _gather_conv(x, w, b, conv_ancestors(p, 4)[:, rows], "silu"))
+    for i in p.index_of_trajectory:
+        torch.testing.assert_close(y[i], ref.causal_conv1d(x[i], w, b, "silu"), rtol=1e-5, atol=1e-5)

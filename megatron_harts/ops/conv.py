@@ -5,17 +5,23 @@ import torch
 import torch.nn.functional as F
 
 from ..packing import TreePack
-from .plan import conv_ancestors
+from .plan import conv_ancestors, conv_fix_rows
 
 ACTIVATIONS = (None, "silu", "swish")
+BACKENDS = ("auto", "torch", "fla")
 
 
 def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack: TreePack,
-                       activation: str | None = None) -> torch.Tensor:
+                       activation: str | None = None, backend: str = "auto") -> torch.Tensor:
     """x ``[T, D]``, weight ``[D, W]``, bias ``[D]`` -> ``[T, D]``.
 
     ``y(u) = sum_j weight[:, W-1-j] * x(anc_j(u))`` with ``anc_0 = u``, ``anc_{j+1} = parent(anc_j)``
-    and zero past the root: per trajectory, exactly a causal depthwise conv. W gathers of x.
+    and zero past the root: per trajectory, exactly a causal depthwise conv.
+
+    Backends: ``torch`` gathers the W ancestors of every token. ``fla`` runs fla's causal conv
+    over the compact array as one sequence (right wherever the previous W-1 compact tokens are
+    the ancestors, i.e. away from branch points) and recomputes only the rows within W-1 tokens
+    after a branch or root with the gather form.
     """
     if x.dim() != 2 or x.shape[0] != pack.num_tokens:
         raise ValueError(f"x: expected [{pack.num_tokens}, D], got {tuple(x.shape)}")
@@ -23,10 +29,26 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"weight: expected [{x.shape[1]}, W], got {tuple(weight.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "fla" if x.is_cuda else "torch"
     W = weight.shape[1]
     anc = conv_ancestors(pack, W)
+    if backend == "torch":
+        return _gather_conv(x, weight, bias, anc, activation)
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+
+    rows = conv_fix_rows(pack, W)
+    y, _ = causal_conv1d(x.unsqueeze(0), weight, bias, activation=activation)
+    return y.squeeze(0).index_copy(0, rows, _gather_conv(x, weight, bias, anc[:, rows], activation))
+
+
+def _gather_conv(x, weight, bias, anc, activation):
+    """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` ancestor indices (``T`` = zero row)."""
+    W = weight.shape[1]
     xp = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    y = x * weight[:, W - 1]
+    y = xp.index_select(0, anc[0]) * weight[:, W - 1]
     for j in range(1, W):
         y = y + xp.index_select(0, anc[j]) * weight[:, W - 1 - j]
     if bias is not None:

@@ -59,17 +59,6 @@ class ChunkPlan:
         return len(self.rounds)
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + l)`` for every (s, l)."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    seg_start = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=seg_start[1:])
-    seg = np.repeat(np.arange(len(lengths)), lengths)
-    return starts[seg] + np.arange(total, dtype=np.int64) - seg_start[seg]
-
-
 def _depth_in_forest(parent: np.ndarray) -> np.ndarray:
     """Depth of every node of a forest given by ``parent`` (-1 at roots), by pointer jumping."""
     dist = (parent >= 0).astype(np.int64)
@@ -187,3 +176,22 @@ def conv_ancestors(pack: TreePack, width: int) -> torch.Tensor:
 
     return pack.cached(("conv_ancestors", width, str(pack.device)),
                        lambda: torch.from_numpy(pack.cached(("host", "conv_ancestors", width), host)).to(pack.device))
+
+
+def conv_fix_rows(pack: TreePack, width: int) -> torch.Tensor:
+    """int64 ``[R]``: tokens whose W-1 ancestors are not simply the W-1 previous compact tokens
+    (zero-padded before index 0), i.e. the rows a plain causal conv over the compact array
+    gets wrong."""
+
+    def host():
+        anc = pack.cached(("host", "conv_ancestors", width), lambda: conv_ancestors(pack, width).cpu().numpy())
+        T = anc.shape[1]
+        u = np.arange(T)
+        bad = np.zeros(T, dtype=bool)
+        for j in range(1, width):
+            plain = np.where(u - j >= 0, u - j, T)
+            bad |= anc[j] != plain
+        return np.flatnonzero(bad)
+
+    return pack.cached(("conv_fix_rows", width, str(pack.device)),
+                       lambda: torch.from_numpy(pack.cached(("host", "conv_fix_rows", width), host)).to(pack.device))

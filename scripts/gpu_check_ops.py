@@ -1,0 +1,141 @@
+"""bf16 equivalence of the fast tree ops (fla / FlexAttention) on a GPU.
+
+For each op: the tree-packed fast path and the trajectory-wise fast path (same kernels, varlen
+over trajectories), both in bf16, against an fp32 trajectory-wise reference (torch backend).
+Reports max abs / relative error of outputs and of every input gradient; the tree error should
+be of the size of the trajectory-wise error. Writes ``ops_check.json`` to ``--out``.
+
+    python scripts/gpu_check_ops.py --out /tmp/out
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from trees import corner_cases  # noqa: E402
+
+from megatron_harts.ops import (node_logprobs, tree_attention, tree_causal_conv1d,  # noqa: E402
+                                tree_gated_delta_rule, tree_simple_gla)
+from megatron_harts.packing import pack, pack_trajectories  # noqa: E402
+from megatron_harts.tree import RolloutTree  # noqa: E402
+from megatron_harts.workloads import sweep_trees  # noqa: E402
+
+
+def errors(a: torch.Tensor, ref: torch.Tensor) -> dict:
+    d = (a.double() - ref.double()).abs().max().item()
+    return {"abs": d, "rel": d / max(ref.double().abs().max().item(), 1e-30)}
+
+
+def run_case(inputs, per_token, tree_fn, traj_fn, ref_fn, p, seed=0, keep_fp32=()):
+    """inputs: compact fp32 tensors; the first ``per_token`` are per token; those at
+    ``keep_fp32`` (log decays) stay fp32 in the bf16 runs. Returns errors per path."""
+    idx = p.traj_index
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def go(fn, dtype, gather):
+        leaves = [x.detach().to(torch.float32 if i in keep_fp32 else dtype).requires_grad_(True)
+                  for i, x in enumerate(inputs)]
+        xs = [x.index_select(0, idx) if (gather and i < per_token) else x for i, x in enumerate(leaves)]
+        o = fn(*xs)
+        o_t = o if gather else o.index_select(0, idx)
+        return o_t, leaves
+
+    out = {}
+    o_ref, l_ref = go(ref_fn, torch.float32, True)
+    do = torch.randn(o_ref.shape, generator=g, device="cuda")
+    results = {}
+    for label, fn, gather in (("tree", tree_fn, False), ("traj", traj_fn, True)):
+        o, leaves = go(fn, torch.bfloat16, gather)
+        (o.float() * do).sum().backward()
+        results[label] = (o, leaves)
+    (o_ref.float() * do).sum().backward()
+    for label, (o, leaves) in results.items():
+        e = {"out": errors(o, o_ref)}
+        for i, (a, b) in enumerate(zip(leaves, l_ref)):
+            if a.grad is not None:
+                e[f"grad{i}"] = errors(a.grad, b.grad)
+        e["nan"] = bool(torch.isnan(o).any())
+        out[label] = e
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    C = 64
+    groups = list(corner_cases(C).values()) + sweep_trees(8192, 4, seed=args.seed)
+    trees = [RolloutTree.from_trajectories(t) for t in groups]
+    p = pack(trees, C).to("cuda")
+    pt = pack_trajectories(trees, C).to("cuda")
+    T = p.num_tokens
+    print(f"pack: {p.num_trajectories} trajectories, {p.num_trajectory_tokens} trajectory tokens, "
+          f"{T} compact ({p.compression:.2f}x)")
+    dev = "cuda"
+    H, HV, K = 4, 8, 128
+    q = F.normalize(torch.randn(T, H, K, device=dev), dim=-1)
+    k = F.normalize(torch.randn(T, H, K, device=dev), dim=-1)
+    v = torch.randn(T, HV, K, device=dev)
+    gate = F.logsigmoid(torch.randn(T, HV, device=dev) + 3)
+    beta = torch.rand(T, HV, device=dev)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.simple_gla import chunk_simple_gla
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+    cu, cu_cpu = pt.traj_cu_seqlens, pt.traj_cu_seqlens.cpu()
+
+    def fla_gdn(q, k, v, g, b):
+        return chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), b[None], cu_seqlens=cu,
+                                      cu_seqlens_cpu=cu_cpu)[0][0]
+
+    def fla_gla(q, k, v, g):
+        return chunk_simple_gla(q[None], k[None], v[None], g[None].float(), cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0][0]
+
+    report = {"pack": {"trajectories": p.num_trajectories, "trajectory_tokens": p.num_trajectory_tokens,
+                       "compact_tokens": T}}
+    report["gdn"] = run_case(
+        [q, k, v, gate, beta], 5,
+        lambda *x: tree_gated_delta_rule(*x[:3], x[3].float(), x[4], p, backend="fla"), fla_gdn,
+        lambda *x: tree_gated_delta_rule(*x, pt, backend="torch"), p, keep_fp32=(3,))
+    report["simple_gla"] = run_case(
+        [q, k, v[:, :H].contiguous(), gate[:, :H].contiguous()], 4,
+        lambda *x: tree_simple_gla(*x[:3], x[3].float(), p, backend="fla"), fla_gla,
+        lambda *x: tree_simple_gla(*x, pt, backend="torch"), p, keep_fp32=(3,))
+    D = 512
+    x = torch.randn(T, D, device=dev)
+    w = torch.randn(D, 4, device=dev) / 2
+    b = torch.randn(D, device=dev)
+    report["conv"] = run_case(
+        [x, w, b], 1, lambda x, w, b: tree_causal_conv1d(x, w, b, p, "silu", backend="fla"),
+        lambda x, w, b: causal_conv1d(x[None], w, b, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0][0],
+        lambda x, w, b: tree_causal_conv1d(x, w, b, pt, "silu", backend="torch"), p)
+    qa, ka, va = torch.randn(T, 16, 128, device=dev), torch.randn(T, 4, 128, device=dev), torch.randn(T, 4, 128, device=dev)
+    report["attention"] = run_case(
+        [qa, ka, va], 3, lambda *x: tree_attention(*x, p, backend="flex"),
+        lambda *x: tree_attention(*x, pt, backend="flex"), lambda *x: tree_attention(*x, pt, backend="torch"), p)
+    V = 4096
+    logits = 4 * torch.randn(T, V, device=dev)
+    report["logprobs"] = run_case(
+        [logits], 1, lambda l: node_logprobs(l, p)[:, None],
+        lambda l: node_logprobs(l, pt)[:, None], lambda l: node_logprobs(l, pt)[:, None], p)
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ops_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{'op':<11} {'path':<5} {'out abs':>9} {'out rel':>9} {'worst grad rel':>15} nan")
+    for op in ("gdn", "simple_gla", "conv", "attention", "logprobs"):
+        for label in ("tree", "traj"):
+            e = report[op][label]
+            gmax = max((v["rel"] for k_, v in e.items() if k_.startswith("grad")), default=float("nan"))
+            print(f"{op:<11} {label:<5} {e['out']['abs']:>9.2e} {e['out']['rel']:>9.2e} {gmax:>15.2e} {e['nan']}")
+
+
+if __name__ == "__main__":
+    main()
