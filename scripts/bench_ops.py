@@ -14,6 +14,7 @@ Target: tree time <= trajectory time / (0.9 x compression). Prints a table last 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -161,7 +162,10 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="JSON", help="render ops.md/ops.png from a results JSON and exit")
+    ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args()
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     os.makedirs(args.out, exist_ok=True)
     if args.plot:
         with open(args.plot) as f:

@@ -10,9 +10,11 @@ be of the size of the trajectory-wise error. Writes ``ops_check.json`` to ``--ou
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,13 @@ def errors(a: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"abs": d, "rel": d / max(ref.double().abs().max().item(), 1e-30)}
 
 
+T0 = time.perf_counter()
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
 def run_case(inputs, per_token, tree_fn, traj_fn, ref_fn, p, seed=0, keep_fp32=()):
     """inputs: compact fp32 tensors; the first ``per_token`` are per token; those at
     ``keep_fp32`` (log decays) stay fp32 in the bf16 runs. Returns errors per path."""
@@ -47,10 +56,12 @@ def run_case(inputs, per_token, tree_fn, traj_fn, ref_fn, p, seed=0, keep_fp32=(
         return o_t, leaves
 
     out = {}
+    log("  fp32 reference")
     o_ref, l_ref = go(ref_fn, torch.float32, True)
     do = torch.randn(o_ref.shape, generator=g, device="cuda")
     results = {}
     for label, fn, gather in (("tree", tree_fn, False), ("traj", traj_fn, True)):
+        log(f"  {label} path")
         o, leaves = go(fn, torch.bfloat16, gather)
         (o.float() * do).sum().backward()
         results[label] = (o, leaves)
@@ -65,14 +76,23 @@ def run_case(inputs, per_token, tree_fn, traj_fn, ref_fn, p, seed=0, keep_fp32=(
     return out
 
 
+def save(out_dir, report):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "ops_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args()
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.manual_seed(args.seed)
     C = 64
-    groups = list(corner_cases(C).values()) + sweep_trees(8192, 4, seed=args.seed)
+    groups = list(corner_cases(C).values()) + sweep_trees(4096, 4, seed=args.seed)
     trees = [RolloutTree.from_trajectories(t) for t in groups]
     p = pack(trees, C).to("cuda")
     pt = pack_trajectories(trees, C).to("cuda")
@@ -100,10 +120,13 @@ def main():
 
     report = {"pack": {"trajectories": p.num_trajectories, "trajectory_tokens": p.num_trajectory_tokens,
                        "compact_tokens": T}}
+    log("gdn")
     report["gdn"] = run_case(
         [q, k, v, gate, beta], 5,
         lambda *x: tree_gated_delta_rule(*x[:3], x[3].float(), x[4], p, backend="fla"), fla_gdn,
         lambda *x: tree_gated_delta_rule(*x, pt, backend="torch"), p, keep_fp32=(3,))
+    save(args.out, report)
+    log("simple_gla")
     report["simple_gla"] = run_case(
         [q, k, v[:, :H].contiguous(), gate[:, :H].contiguous()], 4,
         lambda *x: tree_simple_gla(*x[:3], x[3].float(), p, backend="fla"), fla_gla,
@@ -112,26 +135,30 @@ def main():
     x = torch.randn(T, D, device=dev)
     w = torch.randn(D, 4, device=dev) / 2
     b = torch.randn(D, device=dev)
+    save(args.out, report)
+    log("conv")
     report["conv"] = run_case(
         [x, w, b], 1, lambda x, w, b: tree_causal_conv1d(x, w, b, p, "silu", backend="fla"),
         lambda x, w, b: causal_conv1d(x[None], w, b, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0][0],
         lambda x, w, b: tree_causal_conv1d(x, w, b, pt, "silu", backend="torch"), p)
     qa, ka, va = torch.randn(T, 16, 128, device=dev), torch.randn(T, 4, 128, device=dev), torch.randn(T, 4, 128, device=dev)
+    save(args.out, report)
+    log("attention")
     report["attention"] = run_case(
         [qa, ka, va], 3, lambda *x: tree_attention(*x, p, backend="flex"),
         lambda *x: tree_attention(*x, pt, backend="flex"), lambda *x: tree_attention(*x, pt, backend="torch"), p)
     V = 4096
     logits = 4 * torch.randn(T, V, device=dev)
+    save(args.out, report)
+    log("logprobs")
     report["logprobs"] = run_case(
         [logits], 1, lambda l: node_logprobs(l, p)[:, None],
         lambda l: node_logprobs(l, pt)[:, None], lambda l: node_logprobs(l, pt)[:, None], p)
 
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ops_check.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    save(args.out, report)
     print(f"{'op':<11} {'path':<5} {'out abs':>9} {'out rel':>9} {'worst grad rel':>15} nan")
     for op in ("gdn", "simple_gla", "conv", "attention", "logprobs"):
-        for label in ("tree", "traj"):
+        for label in ("tree", "traj") if op in report else ():
             e = report[op][label]
             gmax = max((v["rel"] for k_, v in e.items() if k_.startswith("grad")), default=float("nan"))
             print(f"{op:<11} {label:<5} {e['out']['abs']:>9.2e} {e['out']['rel']:>9.2e} {gmax:>15.2e} {e['nan']}")
