@@ -69,7 +69,7 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
     rows = []
 
     def leaf(x, dtype=bf):
-        return x.to(dtype).requires_grad_(True)
+        return x.detach().to(dtype).clone().requires_grad_(True)
 
     def record(op, tree_ms, traj_ms, **extra):
         r = dict(op=op, trajectory_tokens=N, compact_tokens=T, compression=N / T, tree_ms=tree_ms,

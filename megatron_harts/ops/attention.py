@@ -43,7 +43,8 @@ def block_mask(pack: TreePack, block_size: int = 128):
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
         T = pack.num_tokens
-        return create_block_mask(mask_mod, None, None, T, T, device=pack.device, BLOCK_SIZE=block_size)
+        # _compile: evaluate the predicate block by block instead of materialising [T, T].
+        return create_block_mask(mask_mod, None, None, T, T, device=pack.device, BLOCK_SIZE=block_size, _compile=True)
     return pack.cached(("block_mask", block_size, str(pack.device)), build)
 
 

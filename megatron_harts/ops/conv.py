@@ -41,16 +41,20 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     rows = conv_fix_rows(pack, W)
     y, _ = causal_conv1d(x.unsqueeze(0), weight, bias, activation=activation)
-    return y.squeeze(0).index_copy(0, rows, _gather_conv(x, weight, bias, anc[:, rows], activation))
+    # fla saves only its inputs, so patching its output in place is safe for autograd.
+    return y.squeeze(0).index_copy_(0, rows, _gather_conv(x, weight, bias, anc[:, rows], activation))
 
 
 def _gather_conv(x, weight, bias, anc, activation):
-    """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` ancestor indices (``T`` = zero row)."""
-    W = weight.shape[1]
-    xp = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    y = xp.index_select(0, anc[0]) * weight[:, W - 1]
-    for j in range(1, W):
-        y = y + xp.index_select(0, anc[j]) * weight[:, W - 1 - j]
+    """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` ancestor indices (``T`` = past a root)."""
+    T, W = x.shape[0], weight.shape[1]
+    y = None
+    for j in range(W):
+        term = x.index_select(0, anc[j].clamp(max=T - 1))
+        if j:
+            term = term * (anc[j] < T).unsqueeze(-1).to(x.dtype)
+        term = term * weight[:, W - 1 - j]
+        y = term if y is None else y + term
     if bias is not None:
         y = y + bias
     return F.silu(y) if activation in ("silu", "swish") else y

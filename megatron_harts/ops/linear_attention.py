@@ -30,17 +30,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def run_rounds(plan: ChunkPlan, inputs: list[torch.Tensor],
                kernel: Callable[[list[torch.Tensor], ChunkRound, torch.Tensor | None, bool], tuple]) -> torch.Tensor:
-    """Execute ``plan``: per round, gather ``inputs`` (compact ``[T, ...]``), call
-    ``kernel(xs, round, initial_state, output_final_state) -> (o, final_state)``, keep owned
-    outputs; returns outputs in compact order."""
+    """Execute ``plan``: gather ``inputs`` (compact ``[T, ...]``) for all rounds at once, call
+    ``kernel(xs, round, initial_state, output_final_state) -> (o, final_state)`` per round on
+    its slice, and read the owned outputs back in compact order."""
+    parts = [x.index_select(0, plan.gather_all).split(plan.round_sizes) for x in inputs]
     outs, final = [], None
     last = len(plan.rounds) - 1
     for r, rd in enumerate(plan.rounds):
-        xs = [x.index_select(0, rd.gather) for x in inputs]
         init = None if rd.init_from is None else final.index_select(0, rd.init_from)
-        o, final = kernel(xs, rd, init, r < last)
-        outs.append(o.index_select(0, rd.keep))
-    return torch.cat(outs).index_select(0, plan.inverse)
+        o, final = kernel([p[r] for p in parts], rd, init, r < last)
+        outs.append(o)
+    return torch.cat(outs).index_select(0, plan.out_index)
 
 
 def _check(pack: TreePack, name: str, x: torch.Tensor, ndim: int):

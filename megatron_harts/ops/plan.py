@@ -45,11 +45,17 @@ class ChunkRound:
 
 @dataclass
 class ChunkPlan:
-    """Rounds plus ``inverse`` (int64 ``[T]``): where compact token u lands in
-    ``cat([out_r[keep_r] for r in rounds])``."""
+    """Rounds plus two whole-plan indices, so a layer does one gather per input and one per
+    output (their backward is one scatter each, not one per round):
+
+    gather_all: int64 ``[sum N_r]``, the rounds' ``gather`` concatenated (``round_sizes`` on the host);
+    out_index: int64 ``[T]``, where compact token u's owned output sits in ``cat(o_r)``.
+    """
 
     rounds: list[ChunkRound]
-    inverse: torch.Tensor
+    gather_all: torch.Tensor
+    round_sizes: list[int]
+    out_index: torch.Tensor
     chunk_size: int
     num_sequences: int
     num_replay_tokens: int
@@ -134,10 +140,13 @@ def build_chunk_plan_host(parent: np.ndarray, position: np.ndarray, chunk_size: 
         gather[is_rep] = replay[seq_rep_off[seqs][seg][is_rep] + off[is_rep]]
         init_from = rank[seq_parent[seqs]] if r > 0 else None
         rounds.append(dict(gather=gather, cu_seqlens=cu, init_from=init_from, keep=np.flatnonzero(~is_rep)))
-    owned = np.concatenate([rd["gather"][rd["keep"]] for rd in rounds])
-    inverse = np.empty(T, dtype=np.int64)
-    inverse[owned] = np.arange(T)
-    return dict(rounds=rounds, inverse=inverse, num_sequences=n_seq, num_replay_tokens=int(rep_off[-1]))
+    sizes = [rd["gather"].shape[0] for rd in rounds]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    out_index = np.empty(T, dtype=np.int64)
+    for rd, st in zip(rounds, starts):
+        out_index[rd["gather"][rd["keep"]]] = st + rd["keep"]
+    return dict(rounds=rounds, gather_all=np.concatenate([rd["gather"] for rd in rounds]), round_sizes=sizes,
+                out_index=out_index, num_sequences=n_seq, num_replay_tokens=int(rep_off[-1]))
 
 
 def chunk_plan(pack: TreePack, chunk_size: int | None = None) -> ChunkPlan:
@@ -156,7 +165,8 @@ def chunk_plan(pack: TreePack, chunk_size: int | None = None) -> ChunkPlan:
                              init_from=None if rd["init_from"] is None else t(rd["init_from"]),
                              keep=t(rd["keep"]))
                   for rd in h["rounds"]]
-        return ChunkPlan(rounds, t(h["inverse"]), C, h["num_sequences"], h["num_replay_tokens"])
+        return ChunkPlan(rounds, t(h["gather_all"]), h["round_sizes"], t(h["out_index"]), C, h["num_sequences"],
+                         h["num_replay_tokens"])
 
     return pack.cached(("chunk_plan", C, str(pack.device)), device)
 
