@@ -1,6 +1,7 @@
 """Run Megatron-Core 0.19.x models on CPU (tests, demo, CI without a GPU).
 
-Nothing here is applied on import. Typical use::
+Importing this module imports megatron.core but changes nothing; call
+:func:`enable_cpu_megatron` (or use :func:`cpu_megatron`). Typical use::
 
     from megatron_harts.megatron import cpu_shim
 
@@ -44,6 +45,9 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.models.hybrid.hybrid_block import HybridStack
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 logger = logging.getLogger(__name__)
 
@@ -72,46 +76,35 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device=-1, graph_safe: bool = Fa
     torch.set_rng_state(new_state)
 
 
-def _make_cpu_tracker_class():
-    from megatron.core.tensor_parallel.random import (
-        _MODEL_PARALLEL_RNG_TRACKER_NAME,
-        CudaRNGStatesTracker,
-    )
+class CPURNGStatesTracker(mrandom.CudaRNGStatesTracker):
+    """``CudaRNGStatesTracker`` whose named states live in the CPU default generator.
 
-    class CPURNGStatesTracker(CudaRNGStatesTracker):
-        """``CudaRNGStatesTracker`` whose named states live in the CPU default generator.
+    ``add(name, seed)`` stores the state of a generator seeded with ``seed``; ``fork(name)``
+    swaps that state into the CPU generator for the block and swaps the previous state back
+    afterwards (the stock tracker does the same with the CUDA generator, and warns when the
+    CPU state changes, which is expected here).
+    """
 
-        ``add(name, seed)`` stores the state of a generator seeded with ``seed``;
-        ``fork(name)`` swaps that state into the CPU generator for the block and swaps the
-        previous state back afterwards (the stock tracker does the same with the CUDA
-        generator, and warns when the CPU state changes, which is expected here).
-        """
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
-        def add(self, name: str, seed: int) -> None:
-            self._is_initialized = True
-            if seed in self.seeds_:
-                raise Exception(f"seed {seed} already exists")
-            if name in self.states_:
-                raise Exception(f"rng state {name} already exists")
-            self.seeds_.add(seed)
-            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-        @contextlib.contextmanager
-        def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
-            if name not in self.states_:
-                raise Exception(f"rng state {name} is not added")
-            outer = torch.get_rng_state()
-            torch.set_rng_state(self.states_[name])
-            try:
-                yield
-            finally:
-                self.states_[name] = torch.get_rng_state()
-                torch.set_rng_state(outer)
-
-    return CPURNGStatesTracker
-
-
-CPURNGStatesTracker = None  # set by enable_cpu_megatron() (needs megatron imported)
+    @contextlib.contextmanager
+    def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
 
 
 def cpu_manual_seed(seed: int) -> None:
@@ -123,7 +116,6 @@ def cpu_manual_seed(seed: int) -> None:
     Call after :func:`init_cpu_model_parallel`.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
 
     enable_cpu_megatron()
     tracker = mrandom.get_cuda_rng_tracker()
@@ -161,14 +153,13 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
 def enable_cpu_megatron() -> None:
     """Redirect Megatron-Core's CUDA-only hooks to CPU. Idempotent; undo with
     :func:`disable_cpu_megatron`. Does not touch ``torch.distributed``."""
-    global _ENABLED, CPURNGStatesTracker
+    global _ENABLED
     if _ENABLED:
         return
     from megatron.core.fusions import fused_softmax
-    from megatron.core.tensor_parallel import random as mrandom
 
-    if CPURNGStatesTracker is None:
-        CPURNGStatesTracker = _make_cpu_tracker_class()
+    if torch.cuda.is_available():
+        logger.warning("cpu_shim: CUDA is available but Megatron is being redirected to CPU")
     _patch(torch.cuda, "current_device", _cpu_current_device)
     _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
@@ -276,36 +267,34 @@ def cpu_megatron(
 # ----------------------------------------------------------------------------------------
 
 
-def _local_hybrid_stack_class():
-    from megatron.core.models.hybrid.hybrid_block import HybridStack
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+class LocalHybridStack(HybridStack):
+    """``HybridStack`` with ``final_norm`` built from a spec param instead of ``TENorm``.
 
-    class LocalHybridStack(HybridStack):
-        """``HybridStack`` with ``final_norm`` built from a spec param instead of ``TENorm``.
+    ``final_norm`` (spec ``params``): a LayerNormBuilder, default ``WrappedTorchNorm``
+    (``torch.nn.LayerNorm``/``RMSNorm`` by ``config.normalization``). Parameter names
+    (``final_norm.weight``) and module order match ``HybridStack``.
+    """
 
-        ``final_norm`` (spec ``params``): a LayerNormBuilder, default ``WrappedTorchNorm``
-        (``torch.nn.LayerNorm``/``RMSNorm`` by ``config.normalization``). Parameter names
-        (``final_norm.weight``) and module order match ``HybridStack``.
-        """
-
-        def __init__(self, config, submodules, *args, post_layer_norm: bool = True,
-                     final_norm: Callable = WrappedTorchNorm, **kwargs):
-            super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
-            self.post_layer_norm = post_layer_norm
-            if self.post_process and self.post_layer_norm:
-                self.final_norm = final_norm(
-                    config=self.config,
-                    hidden_size=self.config.hidden_size,
-                    eps=self.config.layernorm_epsilon,
-                )
-
-    return LocalHybridStack
-
-
-LocalHybridStack = None  # built lazily by local_hybrid_stack_spec()
+    def __init__(
+        self,
+        config,
+        submodules,
+        *args,
+        post_layer_norm: bool = True,
+        final_norm: Callable = WrappedTorchNorm,
+        **kwargs,
+    ):
+        super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+        self.post_layer_norm = post_layer_norm
+        if self.post_process and self.post_layer_norm:
+            self.final_norm = final_norm(
+                config=self.config,
+                hidden_size=self.config.hidden_size,
+                eps=self.config.layernorm_epsilon,
+            )
 
 
-def local_hybrid_stack_spec(num_moe_experts: Optional[int] = None):
+def local_hybrid_stack_spec(num_moe_experts: Optional[int] = None, qk_layernorm: bool = False):
     """ModuleSpec for ``HybridModel(hybrid_stack_spec=...)`` using only Megatron-Core modules.
 
     Same layer structure as ``hybrid_layer_specs.hybrid_stack_spec`` with every fused TE
@@ -314,10 +303,12 @@ def local_hybrid_stack_spec(num_moe_experts: Optional[int] = None):
     linear_proj)); ``G`` TransformerLayer(input_layernorm, GatedDeltaNet(in_proj, out_norm,
     out_proj)); ``M`` MambaLayer(norm, MambaMixer(in_proj, out_proj)); ``-`` MLPLayer
     (pre_mlp_layernorm, MLP); ``E`` MoETransformerLayer(pre_mlp_layernorm, MoELayer with
-    SequentialMLP experts) when ``num_moe_experts`` is given. ``sharded_state_dict_keys_map``
+    SequentialMLP experts) when ``num_moe_experts`` is given. ``qk_layernorm`` must match
+    ``config.qk_layernorm`` (torch q/k norms; ``None`` otherwise, since ``SelfAttention`` would
+    fall back to ``TENorm``, and an ``IdentityOp`` would silently skip the norm).
+    ``sharded_state_dict_keys_map``
     maps the norms onto the TE checkpoint names. ``D``/``+`` (MLA/DSA) are not provided.
     """
-    global LocalHybridStack
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -333,15 +324,12 @@ def local_hybrid_stack_spec(num_moe_experts: Optional[int] = None):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import (
         MoETransformerLayer,
         TransformerLayer,
         TransformerLayerSubmodules,
     )
 
-    if LocalHybridStack is None:
-        LocalHybridStack = _local_hybrid_stack_class()
     norm = WrappedTorchNorm
     moe_layer = IdentityOp
     if num_moe_experts is not None:
@@ -400,8 +388,8 @@ def local_hybrid_stack_spec(num_moe_experts: Optional[int] = None):
                             linear_qkv=ColumnParallelLinear,
                             core_attention=DotProductAttention,
                             linear_proj=RowParallelLinear,
-                            q_layernorm=IdentityOp,
-                            k_layernorm=IdentityOp,
+                            q_layernorm=norm if qk_layernorm else None,
+                            k_layernorm=norm if qk_layernorm else None,
                         ),
                     ),
                     self_attn_bda=get_bias_dropout_add,
@@ -421,7 +409,9 @@ def local_hybrid_stack_spec(num_moe_experts: Optional[int] = None):
                         ),
                     ),
                     mlp_bda=get_bias_dropout_add,
-                    sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+                    sharded_state_dict_keys_map={
+                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"
+                    },
                 ),
             ),
             moe_layer=moe_layer,
@@ -479,8 +469,12 @@ def tiny_hybrid_config(pattern: str, hidden_size: int = 64, **overrides):
         mamba_num_groups=2,
     )
     if overrides.get("num_moe_experts"):
-        cfg.update(moe_router_topk=2, moe_ffn_hidden_size=hidden_size,
-                   moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+        cfg.update(
+            moe_router_topk=2,
+            moe_ffn_hidden_size=hidden_size,
+            moe_token_dispatcher_type="allgather",
+            moe_grouped_gemm=False,
+        )
     cfg.update(overrides)
     from megatron.core import parallel_state as ps
 
@@ -496,12 +490,14 @@ def build_tiny_hybrid_model(
     max_sequence_length: int = 512,
     hidden_size: int = 64,
     position_embedding_type: str = "rope",
+    hybrid_stack_spec=None,
     **config_overrides,
 ):
     """Build a tiny fp32 ``HybridModel`` on CPU from a layer pattern (e.g. ``"G-*-M-"``).
 
     Requires :func:`init_cpu_model_parallel` (or :func:`cpu_megatron`) first. Uses
-    :func:`local_hybrid_stack_spec` and :func:`tiny_hybrid_config`; untied embeddings.
+    :func:`local_hybrid_stack_spec` (or ``hybrid_stack_spec`` when given) and
+    :func:`tiny_hybrid_config`; untied embeddings.
     ``model(input_ids [b, s], position_ids [b, s], attention_mask)`` returns logits
     ``[b, s, vocab_size / tp]`` (``labels`` given: per-token loss ``[b, s]``).
     """
@@ -511,19 +507,22 @@ def build_tiny_hybrid_model(
     config = tiny_hybrid_config(pattern, hidden_size=hidden_size, **config_overrides)
     model = HybridModel(
         config=config,
-        hybrid_stack_spec=local_hybrid_stack_spec(config.num_moe_experts),
+        hybrid_stack_spec=hybrid_stack_spec
+        or local_hybrid_stack_spec(config.num_moe_experts, config.qk_layernorm),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         hybrid_layer_pattern=pattern,
         position_embedding_type=position_embedding_type,
         share_embeddings_and_output_weights=False,
     )
-    logger.info("cpu_shim: built HybridModel %r, %d params", pattern,
-                sum(p.numel() for p in model.parameters()))
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("cpu_shim: built HybridModel %r, %d params", pattern, n_params)
     return model
 
 
 __all__ = [
+    "CPURNGStatesTracker",
+    "LocalHybridStack",
     "enable_cpu_megatron",
     "disable_cpu_megatron",
     "is_enabled",
