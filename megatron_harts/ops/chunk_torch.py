@@ -3,11 +3,16 @@
 The torch backend of the tree ops (CPU and any device): the same chunk partition as fla's
 kernels (chunks aligned to each sequence's start), computed in fp32. Sequences are padded to
 whole chunks with neutral tokens (k = v = 0, g = 0, beta = 0), which leave the state unchanged.
-Loops run over chunks, never over tokens.
+Loops run over chunks, never over tokens. Computes in fp32, or fp64 for fp64 inputs.
 """
 from __future__ import annotations
 
 import torch
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """Accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _to_chunks(xs: list[torch.Tensor], cu_seqlens_cpu: torch.Tensor, C: int):
@@ -55,7 +60,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, *, cu_seqlens_cpu, chunk_size
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if HV != H:
         q, k = q.repeat_interleave(HV // H, dim=1), k.repeat_interleave(HV // H, dim=1)
-    f32 = [x.float() for x in (q, k, v, g, beta)]
+    f32 = [_acc(x) for x in (q, k, v, g, beta)]
     (q, k, v, g, beta), flat, n = _to_chunks(f32, cu_seqlens_cpu, C)
     # [S, n, C, H, D] -> [S, H, n, C, D]
     q, k, v = (x.permute(0, 3, 1, 2, 4) for x in (q, k, v))
@@ -72,7 +77,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, *, cu_seqlens_cpu, chunk_size
     u, w = uw[..., :v.shape[-1]], uw[..., v.shape[-1]:]
     attn = (q @ k.transpose(-1, -2)) * decay
     S_, Hh, _, _, K = k.shape
-    state = (initial_state.float() if initial_state is not None
+    state = (_acc(initial_state) if initial_state is not None
              else q.new_zeros(S_, Hh, K, v.shape[-1]))
     outs = []
     for i in range(n):
@@ -91,7 +96,7 @@ def chunk_simple_gla_torch(q, k, v, g, *, cu_seqlens_cpu, chunk_size=64, scale=N
     g ``[N, H]`` (log decay); initial_state ``[S, H, K, V]`` or None."""
     C, dtype = chunk_size, v.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    f32 = [x.float() for x in (q, k, v, g)]
+    f32 = [_acc(x) for x in (q, k, v, g)]
     (q, k, v, g), flat, n = _to_chunks(f32, cu_seqlens_cpu, C)
     q, k, v = (x.permute(0, 3, 1, 2, 4) for x in (q, k, v))
     g = g.permute(0, 3, 1, 2)
@@ -99,7 +104,7 @@ def chunk_simple_gla_torch(q, k, v, g, *, cu_seqlens_cpu, chunk_size=64, scale=N
     gc = g.cumsum(-1)
     attn = (q @ k.transpose(-1, -2)) * _decay_matrix(gc)
     S_, Hh, _, _, K = k.shape
-    state = (initial_state.float() if initial_state is not None
+    state = (_acc(initial_state) if initial_state is not None
              else q.new_zeros(S_, Hh, K, v.shape[-1]))
     outs = []
     for i in range(n):

@@ -1,0 +1,10 @@
+"""Megatron-Core integration: tree-packed params, tree-aware layers and specs, CPU shim.
+
+Importing this package imports megatron.core but patches nothing (see ``cpu_shim``).
+"""
+from .layers import TreeCoreAttention, TreeGatedDeltaNet, TreeHybridStack
+from .packed_seq import TreePackedSeqParams, tree_packed_seq_params
+from .specs import tree_hybrid_stack_spec, treeify
+
+__all__ = ["TreeCoreAttention", "TreeGatedDeltaNet", "TreeHybridStack", "TreePackedSeqParams",
+           "tree_hybrid_stack_spec", "tree_packed_seq_params", "treeify"]

@@ -1,0 +1,127 @@
+"""Tree-aware Megatron-Core layers, selected through ModuleSpec (``specs.tree_hybrid_stack_spec``).
+
+Each layer behaves exactly like its parent unless ``packed_seq_params`` is a
+:class:`~megatron_harts.megatron.packed_seq.TreePackedSeqParams`; then it runs the tree ops of
+``megatron_harts.ops`` over the compact tokens (activations ``[T, 1, h]``, Megatron's THD layout).
+
+* :class:`TreeHybridStack`: gathers the rotary table at ``pack.position_ids`` once per forward,
+  so RoPE in every stock ``SelfAttention`` uses each token's trajectory position.
+* :class:`TreeGatedDeltaNet` (``G``): fla's ``causal_conv1d`` / ``chunk_gated_delta_rule`` become
+  ``tree_causal_conv1d`` / ``tree_gated_delta_rule``; projections, gates, gated norm, out_proj
+  are the parent's.
+* :class:`TreeCoreAttention` (``*``, the ``core_attention`` of ``SelfAttention``):
+  ``tree_attention`` (ancestor mask).
+
+Not covered: Mamba2 (``M``, no tree mixer yet: a tree pack through a ``MambaLayer`` raises),
+context parallelism, GDN ``recompute_norm_out``, attention dropout in tree mode, and
+multiplicity-weighted MoE router losses.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.mamba_layer import MambaLayer
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from ..ops import tree_attention, tree_causal_conv1d, tree_gated_delta_rule
+from .cpu_shim import LocalHybridStack
+from .packed_seq import TreePackedSeqParams
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's ``l2norm`` in torch: ``x / sqrt(sum(x^2, -1) + eps)``, computed in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class TreeHybridStack(LocalHybridStack):
+    """``LocalHybridStack`` that, for a tree pack, replaces the rotary table ``[max_len, 1, 1, d]``
+    by its rows at ``pack.position_ids`` (``[T, 1, 1, d]``). ``SelfAttention`` then takes the THD
+    RoPE path with ``freqs.size(0) == cu_seqlens_q[-1] == T``, i.e. token i uses ``freqs[i]``
+    (``rope_utils._apply_rotary_pos_emb_thd``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._has_mamba = any(isinstance(layer, MambaLayer) for layer in self.layers)
+
+    def forward(self, hidden_states, attention_mask, inference_context=None, rotary_pos_emb=None, *,
+                packed_seq_params=None, **kwargs):
+        if isinstance(packed_seq_params, TreePackedSeqParams):
+            if self._has_mamba:
+                raise NotImplementedError("tree packs through Mamba2 ('M') layers are not implemented yet")
+            if rotary_pos_emb is not None:
+                pos = packed_seq_params.tree_pack.position_ids.to(rotary_pos_emb.device)
+                rotary_pos_emb = rotary_pos_emb.index_select(0, pos)
+        return super().forward(hidden_states, attention_mask, inference_context, rotary_pos_emb,
+                               packed_seq_params=packed_seq_params, **kwargs)
+
+
+class TreeGatedDeltaNet(GatedDeltaNet):
+    """``GatedDeltaNet`` with a tree path and a torch l2norm (so it also runs on CPU).
+
+    Tree path (``[T, 1, h] -> ([T, 1, h], bias)``): ``in_proj`` -> split ``[q|k|v, z, beta,
+    alpha]`` -> ``tree_causal_conv1d`` (SiLU) on the q|k|v channels ->
+    ``_prepare_input_for_gated_delta_rule`` (head split, l2norm, GQA repeat) and parent's
+    ``_compute_g_and_beta`` -> ``tree_gated_delta_rule`` (chunk size ``pack.chunk_size``) ->
+    parent's gated norm -> ``out_proj``.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, inference_context=None,
+                packed_seq_params=None, sequence_len_offset: Optional[int] = None, *, inference_params=None,
+                **kwargs):
+        if not isinstance(packed_seq_params, TreePackedSeqParams):
+            return super().forward(hidden_states, attention_mask, inference_context, packed_seq_params,
+                                   sequence_len_offset, inference_params=inference_params, **kwargs)
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("tree GDN: inference is not supported")
+        if self.cp_size > 1 or self.recompute_norm_out:
+            raise NotImplementedError("tree GDN: context parallelism / recompute_norm_out are not supported")
+        pack = packed_seq_params.tree_pack
+        qkvzba, _ = self.in_proj(hidden_states)                      # [T, 1, F/tp] (SP: gathered)
+        T, batch, _ = qkvzba.shape
+        if batch != 1 or T != pack.num_tokens:
+            raise ValueError(f"tree GDN expects [{pack.num_tokens}, 1, h] activations, got {tuple(qkvzba.shape)}")
+        qkv, gate, beta, alpha = torch.split(qkvzba.transpose(0, 1), self.feat_dim_split, dim=-1)  # [1, T, .]
+        gate = gate.reshape(1, T, -1, self.value_head_dim)
+        qkv = tree_causal_conv1d(qkv[0], self.conv1d.weight.squeeze(1), self.conv1d.bias if self.conv_bias else None,
+                                 pack, activation=self.activation)[None]   # [1, T, 2H*Dk + HV*Dv]
+        q, k, v, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(qkv, gate, 1, T, beta, alpha)
+        g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)  # [1, T, HV] (g fp32)
+        o = tree_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], pack, chunk_size=pack.chunk_size)  # [T, HV, Dv]
+        norm_out = self._gated_norm_and_a2a(o[None], gate, None, 1, T, packed_seq_params)  # [T, 1, HV*Dv]
+        return self.out_proj(norm_out)
+
+    def _prepare_input_for_gated_delta_rule(self, qkv, gate, batch, seq_len, *gate_feats):
+        """Parent's split/reshape/l2norm/repeat with the torch :func:`l2norm`: qkv ``[b, s, C]``
+        -> q, k ``[b, s, HV, Dk]``, v ``[b, s, HV, Dv]``, gate, ``*gate_feats``."""
+        query_key, value = torch.split(qkv, [2 * self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
+        query_key = query_key.reshape(batch, seq_len, -1, self.key_head_dim)
+        value = value.reshape(batch, seq_len, -1, self.value_head_dim)
+        if self.use_qk_l2norm:
+            query_key = l2norm(query_key)
+        query, key = query_key.chunk(2, dim=2)
+        repeat = self.num_value_heads // self.num_key_heads
+        if repeat > 1:
+            query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
+        return (query.contiguous(), key.contiguous(), value.contiguous(), gate.contiguous(),
+                *(t.contiguous() for t in gate_feats))
+
+
+class TreeCoreAttention(DotProductAttention):
+    """Core attention for ``*`` layers: ``tree_attention`` for tree packs, the local
+    ``DotProductAttention`` otherwise.
+
+    Tree path: q ``[T, np, hn]``, k/v ``[T, ng, hn]`` (THD, GQA not expanded) -> ``[T, np*hn]``.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if not isinstance(packed_seq_params, TreePackedSeqParams):
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        if attention_bias is not None or (self.training and self.attention_dropout.p > 0):
+            raise NotImplementedError("tree attention: attention_bias / attention dropout are not supported")
+        o = tree_attention(query, key, value, packed_seq_params.tree_pack, scale=self.softmax_scale)
+        return o.reshape(o.shape[0], -1)

@@ -1,0 +1,41 @@
+"""``TreePackedSeqParams``: a ``PackedSeqParams`` that carries a :class:`TreePack` through
+``HybridModel.forward`` -> ``HybridStack`` -> every layer (Megatron passes ``packed_seq_params``
+by reference to all layer types, see ``docs/megatron_internals.md`` §1, §5).
+
+Megatron's THD convention holds: activations are ``[T, 1, h]`` (s = the T compact tokens, b = 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ..packing import TreePack
+
+
+@dataclass
+class TreePackedSeqParams(PackedSeqParams):
+    """THD packed-sequence params of a tree pack.
+
+    ``tree_pack``: the microbatch's :class:`TreePack` (its ``chunk_size`` is the chunk size of the
+    tree linear-attention ops). Tree-aware layers (``megatron_harts.megatron.layers``) dispatch on
+    this type; stock layers only see ordinary THD fields.
+    """
+
+    tree_pack: TreePack | None = None
+
+
+def tree_packed_seq_params(pack: TreePack) -> TreePackedSeqParams:
+    """Params for running a model on ``pack``: ``qkv_format="thd"``; ``cu_seqlens_q/kv`` int32
+    ``[R + 1]`` = offsets of the R root subtrees, the contiguous independent segments of the
+    compact layout (for ``pack_trajectories`` output these are exactly the trajectories, i.e.
+    ordinary THD ``cu_seqlens``); ``max_seqlen_q/kv`` = longest trajectory, which sizes the
+    rotary table that RoPE gathers ``pack.position_ids`` from.
+    """
+    T = pack.num_tokens
+    roots = torch.nonzero(pack.parent < 0).flatten()
+    cu = torch.cat([roots, roots.new_tensor([T])]).to(torch.int32)
+    max_len = int(pack.trajectory_lengths.max())
+    return TreePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                               max_seqlen_kv=max_len, tree_pack=pack)
