@@ -1,6 +1,8 @@
 """The main job on an embedded default: a synthetic agentic batch, tree-packed.
 
-``python -m megatron_harts.demo`` prints the token compression and the linear-attention plan.
+``python -m megatron_harts.demo`` prints the token compression and the linear-attention plan of
+a synthetic agentic batch, then runs a tiny Megatron hybrid model (GDN, attention, MLP) tree-packed
+and trajectory-wise on a small batch and prints their differences (``megatron_harts.verify``).
 Runs on CPU.
 """
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+import warnings
 
 from tqdm import tqdm
 
@@ -25,8 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-model", action="store_true", help="only pack; skip the tiny-model comparison")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # "Transformer Engine / Apex / Triton not available: falling back" notices on a CPU machine.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|fla)\.")
 
     cfg = AgenticConfig(num_groups=args.groups, group_size=args.group_size, seed=args.seed)
     trajs = agentic_batch(cfg)
@@ -45,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"linear attention (chunk {args.chunk_size}): {plan.num_rounds} rounds, {plan.num_sequences} sequences, "
           f"{plan.num_replay_tokens} replay tokens ({100 * plan.num_replay_tokens / p.num_tokens:.1f}% of compact)")
     print(f"pack + plan: {dt * 1e3:.1f} ms")
-    return 0
+    if args.no_model:
+        return 0
+    from . import verify
+    print("\ntiny Megatron HybridModel 'G*-G-' (fp32, CPU): tree-packed vs trajectory-wise, same weights")
+    return verify.main(["--pattern", "G*-G-", "--seed", str(args.seed)])
 
 
 if __name__ == "__main__":
