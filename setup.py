@@ -21,7 +21,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
-        "bench": ["matplotlib>=3.8"],
+        "bench": ["matplotlib>=3.8", "scipy>=1.11"],
         "te": ["transformer-engine>=2.0"],
         "apex": ["apex"],
         "rollout": ["sglang>=0.5"],
