@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trajectories", help="trajectory JSONL (one tree per group)")
     ap.add_argument("--recompute", action="store_true", help="full activation recomputation, 1 layer per chunk")
-    ap.add_argument("--num-moe-experts", type=int, help="experts of 'E' layers (router aux losses are "
-                    "not multiplicity-weighted yet: keep their coefficients 0)")
+    ap.add_argument("--num-moe-experts", type=int, help="experts of 'E' layers (tree router: "
+                    "multiplicity-weighted aux losses)")
     ap.add_argument("--dtype", choices=["fp32"], default="fp32")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--tol", type=float, default=1e-5)

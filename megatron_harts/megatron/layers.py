@@ -12,9 +12,11 @@ Each layer behaves exactly like its parent unless ``packed_seq_params`` is a
 * :class:`TreeCoreAttention` (``*``, the ``core_attention`` of ``SelfAttention``):
   ``tree_attention`` (ancestor mask).
 
-Not covered: Mamba2 (``M``, no tree mixer yet: a tree pack through a ``MambaLayer`` raises),
-context parallelism, GDN ``recompute_norm_out``, attention dropout in tree mode, and
-multiplicity-weighted MoE router losses.
+Mamba2 (``M``): ``mamba.TreeMambaMixer`` (a tree pack through any other Mamba mixer raises).
+
+MoE (``E``): ``megatron_harts.moe`` (multiplicity-weighted router, swapped in by ``specs.treeify``).
+
+Not covered: context parallelism, GDN ``recompute_norm_out``, attention dropout in tree mode.
 """
 from __future__ import annotations
 
@@ -44,13 +46,15 @@ class TreeHybridStack(LocalHybridStack):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._has_mamba = any(isinstance(layer, MambaLayer) for layer in self.layers)
+        from .mamba import TreeMambaMixer
+        self._has_mamba = any(isinstance(layer, MambaLayer) and not isinstance(layer.mixer, TreeMambaMixer)
+                              for layer in self.layers)
 
     def forward(self, hidden_states, attention_mask, inference_context=None, rotary_pos_emb=None, *,
                 packed_seq_params=None, **kwargs):
         if isinstance(packed_seq_params, TreePackedSeqParams):
             if self._has_mamba:
-                raise NotImplementedError("tree packs through Mamba2 ('M') layers are not implemented yet")
+                raise NotImplementedError("tree packs through Mamba2 ('M') layers need mamba.TreeMambaMixer")
             if rotary_pos_emb is not None:
                 pos = packed_seq_params.tree_pack.position_ids.to(rotary_pos_emb.device)
                 rotary_pos_emb = rotary_pos_emb.index_select(0, pos)

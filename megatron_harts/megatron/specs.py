@@ -13,7 +13,7 @@ Which spec to use:
   of :class:`TreeCoreAttention` is the local ``DotProductAttention``, not TE's.
 
 Pattern symbols covered by the tree path: ``G`` (GDN), ``*`` (attention), ``-`` (MLP), ``E``
-(MoE; router losses not yet multiplicity-weighted). ``M`` (Mamba2) raises for tree packs.
+(MoE; multiplicity-weighted router, ``megatron_harts.moe``), ``M`` (Mamba2, ``mamba.TreeMambaMixer``).
 """
 from __future__ import annotations
 
@@ -23,16 +23,22 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .cpu_shim import local_hybrid_stack_spec
 from .layers import TreeCoreAttention, TreeGatedDeltaNet, TreeHybridStack
+from .mamba import TreeMambaMixer
 
 
 def treeify(spec: ModuleSpec) -> ModuleSpec:
     """Swap the tree layers into a ``HybridStack`` spec, in place: stack -> ``TreeHybridStack``,
     ``gdn_layer`` mixer -> ``TreeGatedDeltaNet``, ``attention_layer`` core attention ->
-    ``TreeCoreAttention``. Returns ``spec``."""
+    ``TreeCoreAttention``, ``mamba_layer`` mixer -> ``TreeMambaMixer``, ``moe_layer`` (if any) ->
+    ``megatron_harts.moe.treeify_moe``. Returns ``spec``."""
     subs = spec.submodules
     spec.module = TreeHybridStack
     subs.gdn_layer.submodules.self_attention.module = TreeGatedDeltaNet
     subs.attention_layer.submodules.self_attention.submodules.core_attention = TreeCoreAttention
+    subs.mamba_layer.submodules.mixer.module = TreeMambaMixer
+    if isinstance(subs.moe_layer, ModuleSpec):  # 'E': multiplicity-weighted router (megatron_harts.moe)
+        from ..moe import treeify_moe
+        treeify_moe(subs.moe_layer)
     return spec
 
 

@@ -1,0 +1,122 @@
+"""Command-line flags for tree-packed RL training with Megatron-LM's argument parser.
+
+Use as Megatron's ``extra_args_provider`` and validate after Megatron's own validation::
+
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron_harts.megatron.arguments import add_tree_packing_args, validate_tree_packing_args
+
+    args = parse_and_validate_args(extra_args_provider=add_tree_packing_args)
+    validate_tree_packing_args(args)
+
+Argument names of megatron-core 0.19.2 that are checked: ``context_parallel_size``,
+``mtp_num_layers``, ``hybrid_layer_pattern`` (``hybrid_override_pattern`` is its deprecated
+alias, folded into it by Megatron's ``validate_args``), ``moe_expert_capacity_factor``,
+``moe_pad_expert_input_to_capacity``, ``micro_batch_size``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..rl import KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_TYPES
+
+logger = logging.getLogger(__name__)
+
+#: Layer symbols of ``--hybrid-layer-pattern`` that have a tree path; ``D`` (DSA) and ``+`` (MLA)
+#: have none.
+TREE_SUPPORTED_LAYER_SYMBOLS = frozenset("G*-EM")
+#: Pattern characters that are not layers: pipeline-stage boundary.
+PATTERN_SEPARATORS = frozenset("|")
+PLANNERS = ("harts", "greedy")
+
+
+class TreePackingArgumentError(ValueError):
+    """An argument combination that tree packing does not support."""
+
+
+def add_tree_packing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``tree packing`` and ``RL loss`` groups to Megatron's parser; returns it."""
+    g = parser.add_argument_group(title="tree packing (megatron_harts)")
+    g.add_argument("--tree-packing", action="store_true",
+                   help="Pack each rollout tree once (shared prefixes computed once). Without it, "
+                        "trajectories are packed one after another (THD baseline) by the same code.")
+    g.add_argument("--tree-chunk-size", type=int, default=64,
+                   help="Chunk size of the tree linear-attention ops (fla uses 64). Default 64.")
+    g.add_argument("--tree-planner", choices=PLANNERS, default="harts",
+                   help="Assignment of trees to DP ranks x microbatches: 'harts' (cost-model "
+                        "co-planning, megatron_harts.planner) or 'greedy' (largest first onto the "
+                        "least loaded microbatch, by compact tokens). Default harts.")
+    g.add_argument("--tree-trajectories", type=str, default=None, metavar="PATH",
+                   help="Trajectory JSONL (one trajectory a line, see README). Required for training.")
+    g.add_argument("--tree-groups-per-step", type=int, default=None,
+                   help="Rollout groups (trees) consumed per optimizer step; must be >= "
+                        "global batch size (= DP x microbatches, one tree pack per microbatch). "
+                        "Default: global batch size.")
+    g.add_argument("--tree-max-tokens", type=int, default=None,
+                   help="Warn when a microbatch holds more compact tokens than this.")
+    g.add_argument("--tree-shuffle-seed", type=int, default=None,
+                   help="Shuffle groups once with this seed before iterating (default: file order).")
+    r = parser.add_argument_group(title="RL loss (megatron_harts)")
+    r.add_argument("--rl-loss-type", choices=LOSS_TYPES, default="grpo")
+    r.add_argument("--rl-loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean")
+    r.add_argument("--rl-clip-eps", type=float, default=0.2, help="Lower (and default upper) clip range.")
+    r.add_argument("--rl-clip-eps-high", type=float, default=None, help="Upper clip range (DAPO clip-higher).")
+    r.add_argument("--rl-dual-clip-c", type=float, default=None, help="Dual-clip constant (> 1).")
+    r.add_argument("--rl-kl-coef", type=float, default=0.0, help="KL(pi||ref) coefficient; needs ref_logprobs.")
+    r.add_argument("--rl-kl-estimator", choices=KL_ESTIMATORS, default="k1")
+    return parser
+
+
+def _pattern(args) -> str | None:
+    return getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+
+
+def tree_packing_errors(args) -> list[str]:
+    """All unsupported-combination messages for ``args`` (empty when fine or tree packing is off)."""
+    if not getattr(args, "tree_packing", False):
+        return []
+    errs = []
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        errs.append(f"--tree-packing does not support context parallelism (--context-parallel-size {cp}); "
+                    "use tensor/data parallelism or --context-parallel-size 1")
+    if getattr(args, "mtp_num_layers", None):
+        errs.append(f"--tree-packing does not support multi-token prediction (--mtp-num-layers "
+                    f"{args.mtp_num_layers}, or a '/' MTP section in the hybrid pattern)")
+    pattern = _pattern(args)
+    if pattern is None:
+        errs.append("--tree-packing needs a hybrid model: set --hybrid-layer-pattern (e.g. 'G*-G-')")
+    else:
+        main, *mtp = pattern.split("/")
+        if mtp and not getattr(args, "mtp_num_layers", None):
+            errs.append(f"--tree-packing does not support multi-token prediction ('/' in pattern {pattern!r})")
+        bad = sorted(set(main) - TREE_SUPPORTED_LAYER_SYMBOLS - PATTERN_SEPARATORS)
+        if bad:
+            errs.append(f"--tree-packing: layer symbol(s) {bad} in --hybrid-layer-pattern {pattern!r} have no "
+                        f"tree path; supported: {sorted(TREE_SUPPORTED_LAYER_SYMBOLS)}")
+    if getattr(args, "moe_expert_capacity_factor", None) is not None:
+        errs.append("--tree-packing does not support token-dropping MoE (--moe-expert-capacity-factor "
+                    f"{args.moe_expert_capacity_factor}): a compact token stands for several trajectory "
+                    "tokens, so dropping would differ from trajectory-wise training; use dropless routing")
+    if getattr(args, "moe_pad_expert_input_to_capacity", False):
+        errs.append("--tree-packing does not support --moe-pad-expert-input-to-capacity (capacity-based MoE)")
+    mbs = getattr(args, "micro_batch_size", None)
+    if mbs not in (None, 1):
+        errs.append(f"--tree-packing packs each microbatch into one [1, T] sequence: set --micro-batch-size 1 "
+                    f"(got {mbs}); use --global-batch-size for the number of tree packs per step")
+    if getattr(args, "tree_chunk_size", 64) < 1:
+        errs.append(f"--tree-chunk-size must be >= 1, got {args.tree_chunk_size}")
+    if getattr(args, "rl_dual_clip_c", None) is not None and args.rl_dual_clip_c <= 1:
+        errs.append(f"--rl-dual-clip-c must be > 1, got {args.rl_dual_clip_c}")
+    return errs
+
+
+def validate_tree_packing_args(args) -> None:
+    """Raise :class:`TreePackingArgumentError` listing every unsupported combination (no-op
+    without ``--tree-packing``). Call after Megatron's ``validate_args``."""
+    errs = tree_packing_errors(args)
+    if errs:
+        raise TreePackingArgumentError("invalid arguments for tree packing:\n  - " + "\n  - ".join(errs))
+    if getattr(args, "tree_packing", False):
+        logger.info("tree packing: pattern %r, chunk size %d, planner %s", _pattern(args),
+                    args.tree_chunk_size, args.tree_planner)

@@ -1,0 +1,261 @@
+"""Tree packing under TP=2 / DP=2 (2 CPU processes, gloo), selective recompute, Megatron's loss
+contract, and the argument validation of ``--tree-packing``.
+
+* TP=2: per-token log-probs (vocab-parallel log-softmax over the TP group), RL loss and every
+  local gradient shard of the tree-packed run equal the trajectory-wise (THD) run.
+* DP=2: the step's trees are split over 2 ranks x 2 microbatches (``build_step``); each
+  microbatch's ``rl_loss`` goes through Megatron's own ``forward_step_calc_loss`` (division by
+  num_tokens and microbatches, or none under ``calculate_per_token_loss``), gradients are
+  all-reduced as Megatron's DDP / ``finalize_model_grads`` do; the result equals a single process
+  running the whole batch trajectory-wise in one microbatch.
+Tolerances: 1e-5 relative; GDN decay grads (``A_log``/``dt_bias``) 5e-4 (verify.py default; 1.0e-4 seen
+under TP=2), see
+``tests/test_megatron_tree.py`` and ``verify.py`` for the measured fp32 noise of the baseline itself.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_harts import verify
+from megatron_harts.megatron import cpu_shim, tree_hybrid_stack_spec
+from megatron_harts.megatron.arguments import (TREE_SUPPORTED_LAYER_SYMBOLS, TreePackingArgumentError,
+                                               add_tree_packing_args, validate_tree_packing_args)
+from megatron_harts.megatron.batch import GlobalNormalisers, TreeMicrobatch, build_step, model_inputs, rl_loss
+from megatron_harts.packing import pack, pack_trajectories
+from megatron_harts.rl import RLBatch
+from megatron_harts.tree import trees_from_trajectories
+from megatron_harts.workloads import AgenticConfig, agentic_batch
+
+PATTERN, VOCAB, C, TOL, DECAY_TOL = "G*-G-", 64, 8, 1e-5, 5e-4
+LOSS_KW = dict(loss_type="ppo", loss_agg_mode="seq-mean-token-mean", clip_eps=0.2, kl_coef=0.1, kl_estimator="k3")
+
+
+def _trajectories(num_groups=4):
+    """Small agentic batch: groups of 3 branching samples; old/ref log-probs, advantages, masks."""
+    return agentic_batch(AgenticConfig(num_groups=num_groups, group_size=3, turns=(1, 3), vocab_size=VOCAB,
+                                       prompt_tokens=(5, 20), assistant_tokens=(3, 12), tool_tokens_median=6,
+                                       tool_tokens_max=20, seed=3))
+
+
+def _model(**kw):
+    cpu_shim.cpu_manual_seed(0)
+    return cpu_shim.build_tiny_hybrid_model(PATTERN, vocab_size=VOCAB, init_method_std=0.1,
+                                            hybrid_stack_spec=tree_hybrid_stack_spec(), **kw)
+
+
+def _microbatch(trajs, layout, M=1, dp=1) -> TreeMicrobatch:
+    p = layout(trees_from_trajectories(trajs), chunk_size=C)
+    return TreeMicrobatch(p, RLBatch.from_trajectories(p.trajectories), GlobalNormalisers.of(trajs), M, dp)
+
+
+def _run(model, mb, tp_group=None):
+    """forward + ``rl_loss`` + backward -> (per-trajectory log-probs by traj id, loss, grads)."""
+    from megatron_harts.ops import tree_token_logprobs
+    model.zero_grad(set_to_none=True)
+    tokens, pos, psp = model_inputs(mb)
+    logits = model(tokens, pos, None, packed_seq_params=psp)
+    loss, _, report = rl_loss(logits, mb, tp_group=tp_group, **LOSS_KW)
+    loss.backward()
+    lps = tree_token_logprobs(logits.detach()[0], mb.pack, tp_group=tp_group)
+    return ({t.traj_id: lp for t, lp in zip(mb.pack.trajectories, lps)}, loss.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters()})
+
+
+def _assert_close(got, want, what):
+    lps, loss, grads = got
+    lps_r, loss_r, grads_r = want
+    assert lps.keys() == lps_r.keys()
+    scale = max(float(v.abs().max()) for v in lps_r.values() if v.numel())
+    err = max(float((lps[k] - lps_r[k]).abs().max()) for k in lps_r if lps_r[k].numel())
+    assert err <= TOL * scale, f"{what}: log-prob abs err {err:.2e} (scale {scale:.2f})"
+    assert verify.rel_diff(loss, loss_r) < TOL, f"{what}: loss {float(loss)} vs {float(loss_r)}"
+    errs = {n: verify.rel_diff(grads[n], grads_r[n]) for n in grads_r}
+    bad = {n: e for n, e in errs.items() if e >= (DECAY_TOL if n.endswith(verify.DECAY_PARAMS) else TOL)}
+    assert not bad, f"{what}: grad rel errs {bad}"
+
+
+# ---------------------------------------------------------------------------- 2-process workers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn_name):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    globals()[fn_name](rank)
+
+
+def _spawn(fn_name):
+    mp.spawn(_worker, args=(2, _free_port(), fn_name), nprocs=2, join=True)
+
+
+def _tp2(rank):
+    from megatron.core import parallel_state as ps
+    with cpu_shim.cpu_megatron(tensor_model_parallel_size=2, seed=0):
+        model = _model()
+        trajs = _trajectories()
+        tp = ps.get_tensor_model_parallel_group()
+        tree = _run(model, _microbatch(trajs, pack), tp)
+        base = _run(model, _microbatch(trajs, pack_trajectories), tp)
+        _assert_close(tree, base, f"TP=2 rank {rank}: tree vs trajectory-wise")
+
+
+def _dp2(rank):
+    """Megatron's loss contract: forward_step_calc_loss + DDP/finalize gradient reduction."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+    with cpu_shim.cpu_megatron(tensor_model_parallel_size=1, seed=0):
+        dp, M = ps.get_data_parallel_world_size(), 2
+        assert dp == 2
+        model, trajs = _model(), _trajectories(num_groups=4)
+        base = _run(model, _microbatch(trajs, pack_trajectories))      # one process, whole batch
+        for per_token in (False, True):
+            cfg = SimpleNamespace(calculate_per_token_loss=per_token, timers=None, num_moe_experts=None,
+                                  mtp_num_layers=None)
+            model.zero_grad(set_to_none=True)
+            lps, total, ntok = {}, torch.zeros(()), torch.zeros((), dtype=torch.int)
+            for mb in build_step(trajs, dp_size=dp, dp_rank=rank, num_microbatches=M, chunk_size=C):
+                tokens, pos, psp = model_inputs(mb)
+                logits = model(tokens, pos, None, packed_seq_params=psp)
+                store = []
+                out, n = forward_step_calc_loss(model, logits, lambda x, mb=mb: rl_loss(x, mb, **LOSS_KW), cfg,
+                                                None, False, M, store, cp_group_size=1, is_last_stage=True)
+                out.backward()
+                total, ntok = total + out.detach(), ntok + n
+                lps.update(_run_lps(logits, mb))
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            for g in grads.values():
+                dist.all_reduce(g)          # DDP: sum over DP ...
+                if not per_token:
+                    g /= dp                 # ... with 1/dp pre-scaling (average_in_collective=False)
+            if per_token:                   # finalize_model_grads: / num_tokens summed over DP
+                dist.all_reduce(ntok)
+                for g in grads.values():
+                    g /= ntok.clamp(min=1)
+                total = total / ntok
+            else:
+                total = total / dp
+            dist.all_reduce(total)
+            all_lps = [None, None]
+            dist.all_gather_object(all_lps, lps)
+            merged = {**all_lps[0], **all_lps[1]}
+            _assert_close((merged, total, grads), base, f"DP=2 rank {rank} per_token_loss={per_token}")
+
+
+def _run_lps(logits, mb):
+    from megatron_harts.ops import tree_token_logprobs
+    lps = tree_token_logprobs(logits.detach()[0], mb.pack)
+    return {t.traj_id: lp for t, lp in zip(mb.pack.trajectories, lps)}
+
+
+def test_tp2_tree_equals_trajectory_wise():
+    _spawn("_tp2")
+
+
+def test_dp2_split_equals_full_batch():
+    _spawn("_dp2")
+
+
+# ---------------------------------------------------------------------------- single process
+
+
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="selective"),                                   # core_attn (default)
+    dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+], ids=["core_attn", "core_attn+mlp"])  # "layernorm" needs Transformer Engine (FP8GlobalStateManager)
+def test_selective_recompute(recompute):
+    with cpu_shim.cpu_megatron(seed=0):
+        trajs = _trajectories()
+        plain = _model()
+        model = _model(**recompute)
+        model.load_state_dict(plain.state_dict())
+        base = _run(plain, _microbatch(trajs, pack_trajectories))
+        tree = _run(model, _microbatch(trajs, pack))
+        _assert_close(tree, base, f"selective recompute {recompute}: tree vs trajectory-wise")
+
+
+@pytest.mark.parametrize("planner", ["greedy", "harts"])
+def test_build_step_partitions_and_global_norms(planner):
+    trajs = _trajectories(num_groups=5)
+    ids = []
+    for r in range(2):
+        mbs = build_step(trajs, dp_size=2, dp_rank=r, num_microbatches=2, chunk_size=C, planner=planner)
+        assert len(mbs) == 2 and all(mb.norms == GlobalNormalisers.of(trajs) for mb in mbs)
+        ids += [t.traj_id for mb in mbs for t in mb.pack.trajectories]
+    assert sorted(ids) == sorted(t.traj_id for t in trajs)
+    with pytest.raises(ValueError, match="at least one tree" if planner == "greedy" else "empty"):
+        build_step(trajs, dp_size=2, dp_rank=0, num_microbatches=4, planner=planner)
+
+
+def test_microbatch_iterator_steps_and_logs(caplog):
+    from megatron_harts.megatron.batch import TreeMicrobatchIterator, group_trajectories
+    groups = group_trajectories(_trajectories(num_groups=5))
+    it = TreeMicrobatchIterator(groups, groups_per_step=4, dp_size=2, dp_rank=1, num_microbatches=2, chunk_size=C)
+    with caplog.at_level("INFO", logger="megatron_harts.megatron.batch"):
+        mbs = [next(it) for _ in range(4)]          # two steps
+    assert [mb.step for mb in mbs] == [0, 0, 1, 1] and all(mb.pack.compression >= 1 for mb in mbs)
+    assert "compression" in caplog.text and "trajectory tokens/s" in caplog.text
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def _megatron_args(argv):
+    """Megatron 0.19.2's real parser with our extra_args_provider (no validate_args: it needs GPUs)."""
+    from megatron.training.arguments import parse_args
+    old = sys.argv
+    sys.argv = ["pretrain_hybrid_harts.py", *argv]
+    try:
+        return parse_args(extra_args_provider=add_tree_packing_args)
+    finally:
+        sys.argv = old
+
+
+BASE = ["--tree-packing", "--hybrid-layer-pattern", "G*-E", "--micro-batch-size", "1"]
+
+
+def test_args_valid_and_defaults():
+    args = _megatron_args(BASE)
+    assert (args.tree_chunk_size, args.tree_planner, args.rl_loss_type) == (64, "harts", "grpo")
+    validate_tree_packing_args(args)
+    validate_tree_packing_args(_megatron_args(["--hybrid-layer-pattern", "D+M"]))   # off: no checks
+    assert set("G*-E") <= TREE_SUPPORTED_LAYER_SYMBOLS and not set("D+") & TREE_SUPPORTED_LAYER_SYMBOLS
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--context-parallel-size", "2"], "context parallelism"),
+    (["--mtp-num-layers", "1"], "multi-token prediction"),
+    (["--hybrid-layer-pattern", "G*-D"], r"\['D'\].*no tree path"),
+    (["--hybrid-layer-pattern", "G+-"], r"\['\+'\].*no tree path"),
+    (["--hybrid-layer-pattern", "G*-G/GG"], "multi-token prediction"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"], "token-dropping MoE"),
+    (["--moe-pad-expert-input-to-capacity"], "capacity"),
+    (["--micro-batch-size", "2"], "micro-batch-size 1"),
+    (["--tree-chunk-size", "0"], "tree-chunk-size must be >= 1"),
+], ids=["cp", "mtp", "dsa", "mla", "mtp-pattern", "capacity", "pad-capacity", "mbs", "chunk"])
+def test_args_unsupported_combinations(extra, message):
+    args = _megatron_args(BASE + extra)
+    with pytest.raises(TreePackingArgumentError, match=message):
+        validate_tree_packing_args(args)
+
+
+def test_args_layers_without_tree_path():
+    with pytest.raises(TreePackingArgumentError, match=r"\['\+', 'D'\]"):
+        validate_tree_packing_args(argparse.Namespace(tree_packing=True, hybrid_layer_pattern="GD*+-"))
+    ok = add_tree_packing_args(argparse.ArgumentParser()).parse_args(["--tree-packing"])
+    ok.hybrid_layer_pattern = "GM*E-"
+    validate_tree_packing_args(ok)
