@@ -26,23 +26,14 @@ from megatron_harts.megatron import cpu_shim, tree_hybrid_stack_spec, tree_packe
 from megatron_harts.megatron.mamba import TreeMambaMixer
 from megatron_harts.packing import pack, pack_trajectories
 from megatron_harts.tree import RolloutTree
-from trees import corner_cases
+from trees import corner_cases, random_trees
 
 VOCAB, C, TOL, GDN_DECAY_TOL = 64, 8, 1e-5, 5e-4
 PATTERNS = ("M*-M-", "GM*-")
 
 
 def _random_trees(seed, num_trees=3):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(num_trees):
-        trajs = [rng.integers(0, VOCAB, int(rng.integers(1, 4 * C))).tolist()]
-        for _ in range(int(rng.integers(0, 6))):
-            base = trajs[int(rng.integers(len(trajs)))]
-            p = int(rng.integers(0, len(base) + 1))
-            trajs.append(base[:p] + rng.integers(0, VOCAB, int(rng.integers(1 if p == 0 else 0, 2 * C))).tolist())
-        out.append(trajs)
-    return out
+    return random_trees(seed, C, VOCAB, num_trees)
 
 
 CASES = {name: [[[t % VOCAB for t in traj] for traj in trajs]] for name, trajs in corner_cases(C).items()}

@@ -22,23 +22,13 @@ from megatron_harts import verify
 from megatron_harts.megatron import cpu_shim, tree_hybrid_stack_spec
 from megatron_harts.packing import pack, pack_trajectories
 from megatron_harts.tree import RolloutTree
-from trees import corner_cases
+from trees import corner_cases, random_trees
 
 PATTERN, VOCAB, C, TOL, DECAY_TOL = "G*-G-", 64, 8, 1e-5, 1e-4
 
 
-def _random_trees(seed: int, num_trees: int = 3) -> list[list[list[int]]]:
-    """Token lists of ``num_trees`` trees, each a root trajectory plus branches at random points."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(num_trees):
-        trajs = [rng.integers(0, VOCAB, int(rng.integers(1, 4 * C))).tolist()]
-        for _ in range(int(rng.integers(0, 6))):
-            base = trajs[int(rng.integers(len(trajs)))]
-            p = int(rng.integers(0, len(base) + 1))
-            trajs.append(base[:p] + rng.integers(0, VOCAB, int(rng.integers(1 if p == 0 else 0, 2 * C))).tolist())
-        out.append(trajs)
-    return out
+def _random_trees(seed, num_trees=3):
+    return random_trees(seed, C, VOCAB, num_trees)
 
 
 CASES = {name: [[[t % VOCAB for t in traj] for traj in trajs]] for name, trajs in corner_cases(C).items()}

@@ -40,6 +40,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from . import cpu_shim
+
 __all__ = ["MegatronArgs", "hf_config_to_megatron", "hf_to_megatron", "build_megatron_model",
            "load_megatron_state_dict", "load_hf_into_megatron"]
 
@@ -129,15 +131,7 @@ def hf_config_to_megatron(hf_config) -> MegatronArgs:
         hidden_dropout=0.0,
         attention_dropout=float(_get(cfg, "attention_dropout", 0.0)),
         init_method_std=_get(cfg, "initializer_range", 0.02),
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        params_dtype=torch.float32,
-        use_cpu_initialization=True,
+        **cpu_shim.UNFUSED_FP32,
         linear_conv_kernel_dim=_get(cfg, "linear_conv_kernel_dim"),
         linear_key_head_dim=_get(cfg, "linear_key_head_dim"),
         linear_value_head_dim=_get(cfg, "linear_value_head_dim"),
@@ -284,7 +278,6 @@ def build_megatron_model(args: MegatronArgs, tree: bool = True, **config_overrid
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer import TransformerConfig
 
-    from . import cpu_shim
     from .specs import tree_hybrid_stack_spec
 
     if not torch.cuda.is_available():

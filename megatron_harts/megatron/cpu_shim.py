@@ -424,6 +424,13 @@ def local_hybrid_stack_spec(num_moe_experts: Optional[int] = None, qk_layernorm:
 # ----------------------------------------------------------------------------------------
 
 
+#: Config fields that keep Megatron on its plain torch paths (no fused CUDA kernels), fp32 and
+#: TP-independent initialisation: what a CPU run (and a layout-independent check) needs.
+UNFUSED_FP32 = dict(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                    apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+                    cross_entropy_loss_fusion=False, params_dtype=torch.float32, use_cpu_initialization=True)
+
+
 def tiny_hybrid_config(pattern: str, hidden_size: int = 64, **overrides):
     """fp32 ``TransformerConfig`` for a tiny hybrid model with ``len(pattern)`` layers.
 
@@ -450,15 +457,7 @@ def tiny_hybrid_config(pattern: str, hidden_size: int = 64, **overrides):
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        params_dtype=torch.float32,
-        use_cpu_initialization=True,
+        **UNFUSED_FP32,
         linear_conv_kernel_dim=4,
         linear_key_head_dim=16,
         linear_value_head_dim=16,
