@@ -1,0 +1,471 @@
+"""End-to-end HARTS vs trajectory-wise training step of a Megatron-Core HybridModel, one process.
+
+Both sides run the same model and weights on the same global batch (GRPO-style rollout groups):
+  harts     trees packed per microbatch by ``megatron_harts.planner.plan`` (compact + replay tokens
+            <= --capacity), ``pack`` layout (shared prefixes computed once)
+  baseline  the same trajectories, each its own chain (``pack`` of un-merged trees = THD packing
+            through the same tree layers, which reduce to varlen GDN / document-causal attention),
+            balanced into microbatches of <= --capacity trajectory tokens by LPT on tokens
+Per (model, workload, recompute): forward / backward ms summed over microbatches (gradient time,
+optimizer excluded; ``step`` adds one fused AdamW step, lr 0 so weights stay put), trajectory
+tokens/s, peak memory (GiB), linear-attention rounds (sum over microbatches of each GDN layer's
+varlen calls), per-token log-prob differences HARTS vs baseline and baseline vs a rerun of itself
+(trajectories reshuffled across microbatches, forward only). Targets: speedup >= 0.9 x compression;
+>= 5x on swe with recomputation.
+
+Models (bf16, local non-TE ``tree_hybrid_stack_spec``): ``dense`` ~1.5B, hidden 2048,
+'G-G-G-*-' x 6 (48 Megatron layers = 24 mixer + 24 MLP, GDN 16/16 heads x 128, GQA 16/4 x 128,
+SwiGLU 6144, vocab 32768); ``moe`` hidden 1024, 'GEGEGE*E' x 3, 16 experts top-2 x 1024.
+Workloads: ``swe`` (``swe_bench_like``, --swe-groups tasks, trajectories <= --swe-max-tokens),
+``tau`` (``tau_bench_like``), ``sweep`` (``sweep_batch`` at --compressions, --sweep-tokens each).
+Packs are padded with a dummy chain to a multiple of --pad-multiple tokens, so FlexAttention
+(compiled for static shapes) sees few distinct shapes; padding is computed but not counted.
+
+    python scripts/bench_e2e.py --out $OUT --models dense --workloads swe --recompute on
+    python scripts/bench_e2e.py --plot $OUT/e2e.json [more.json ...] --out docs/benchmarks
+    python scripts/bench_e2e.py --device cpu --tiny --out /tmp/e2e     # CPU smoke (fp32, cpu_shim)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import faulthandler
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_harts.megatron import tree_hybrid_stack_spec, tree_packed_seq_params  # noqa: E402
+from megatron_harts.ops import chunk_plan, tree_token_logprobs  # noqa: E402
+from megatron_harts.packing import pack  # noqa: E402
+from megatron_harts.planner import plan  # noqa: E402
+from megatron_harts.planner.cost import CostModel  # noqa: E402
+from megatron_harts.planner.plan import assign  # noqa: E402
+from megatron_harts.tree import RolloutTree, make_trajectory, trees_from_trajectories  # noqa: E402
+from megatron_harts import workloads as W  # noqa: E402
+
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+# name -> (pattern, config overrides); heads/dims of GDN and attention, MLP / MoE widths.
+MODELS = {
+    "dense": ("G-G-G-*-" * 6, dict(hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
+                                   num_query_groups=4, kv_channels=128, linear_key_head_dim=128,
+                                   linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16)),
+    "moe": ("GEGEGE*E" * 3, dict(hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=8, num_query_groups=2,
+                                 kv_channels=128, linear_key_head_dim=128, linear_value_head_dim=128,
+                                 linear_num_key_heads=8, linear_num_value_heads=8, num_moe_experts=16,
+                                 moe_router_topk=2, moe_ffn_hidden_size=1024, moe_token_dispatcher_type="allgather",
+                                 moe_grouped_gemm=False, moe_aux_loss_coeff=1e-3)),
+}
+TINY = {"dense": ("G-G-*-", dict(hidden_size=64)), "moe": ("GE*E", dict(hidden_size=64, num_moe_experts=4))}
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def workload(name: str, args) -> list:
+    """Trajectories of a workload name: swe, tau, sweep:<compression>."""
+    if args.tiny:
+        tiny = dict(num_groups=2, group_size=(3, 4), turns=(2, 4), system_tokens=(20, 40), task_tokens_median=10,
+                    task_tokens_max=20, assistant_tokens_median=8, assistant_tokens_range=(2, 20),
+                    env_tokens_median=12, env_tokens_range=(2, 40), max_tokens=200, vocab_size=64, seed=args.seed)
+        if name.startswith("sweep:"):
+            return W.sweep_batch(1024, float(name[6:]), tokens_per_group=512, vocab_size=64, seed=args.seed)
+        base = W.SWE_BENCH_LIKE if name == "swe" else W.TAU_BENCH_LIKE
+        return W.rollout_trees(dataclasses.replace(base, **tiny))
+    if name == "swe":
+        return W.swe_bench_like(dataclasses.replace(W.SWE_BENCH_LIKE, num_groups=args.swe_groups,
+                                                    max_tokens=args.swe_max_tokens, seed=args.seed))
+    if name == "tau":
+        return W.tau_bench_like(dataclasses.replace(W.TAU_BENCH_LIKE, num_groups=args.tau_groups, seed=args.seed))
+    if name.startswith("sweep:"):
+        return W.sweep_batch(args.sweep_tokens, float(name[6:]), seed=args.seed)
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def pad_to(trees: list, multiple: int, vocab: int, rng: np.random.Generator, chains: bool) -> tuple[list, int]:
+    """Trees (a microbatch) plus a dummy chain that rounds its token count up to ``multiple``."""
+    T = sum(t.num_tokens for t in trees) if not chains else sum(len(r) for t in trees for r in t.records)
+    pad = (-T) % multiple if multiple else 0
+    if pad == 0:
+        return trees, 0
+    dummy = make_trajectory(0, rng.integers(1, vocab, size=pad), traj_id="__pad__", loss_mask=np.zeros(pad, bool))
+    return trees + [RolloutTree([dummy], merge_prefixes=not chains)], pad
+
+
+def microbatches(trajs: list, side: str, args, cost_model, device, shuffle: int | None = None) -> list[dict]:
+    """Device packs of one side: ``harts`` (planner) or ``baseline`` (chains, LPT on tokens;
+    ``shuffle`` = seed of a random trajectory order for the rerun)."""
+    rng = np.random.default_rng(args.seed)
+    if side == "harts":
+        trees = trees_from_trajectories(trajs)
+        p = plan(trees, dp_size=1, microbatch_capacity=args.capacity, cost_model=cost_model, chunk_size=args.chunk_size)
+        mbs = p.microbatches(trees, 0)
+    else:
+        order = list(range(len(trajs)))
+        if shuffle is not None:
+            random.Random(shuffle).shuffle(order)
+        lens = np.array([len(trajs[i]) for i in order], np.int64)
+        if lens.max() > args.capacity:
+            raise ValueError(f"a trajectory of {lens.max()} tokens exceeds --capacity {args.capacity}")
+        _, mb, M = assign(lens.astype(np.float64), lens, dp_size=1, capacity=args.capacity, refine=shuffle is None)
+        if shuffle is not None:          # rerun: a different composition (round robin of the shuffled order)
+            mb = np.arange(len(order)) % M
+        mbs = [[RolloutTree([trajs[order[i]] for i in np.flatnonzero(mb == m)], merge_prefixes=False)]
+               for m in range(M) if (mb == m).any()]
+    out = []
+    for trees in filter(None, mbs):     # the planner may leave a microbatch empty
+        trees, pad = pad_to(trees, args.pad_multiple, args.vocab, rng, chains=side != "harts")
+        pk = pack(trees, chunk_size=args.chunk_size).to(device)
+        real = [r for r in pk.trajectories if r.traj_id != "__pad__"]
+        w = [torch.as_tensor(np.asarray(r.loss_mask[1:], np.float32) * float(r.advantage or 0.0), device=device)
+             for r in pk.trajectories]
+        out.append(dict(pack=pk, weights=w, pad=pad, ids=[r.traj_id for r in pk.trajectories],
+                        traj_tokens=sum(len(r) for r in real), compact=pk.num_tokens - pad,
+                        rounds=chunk_plan(pk, args.chunk_size).num_rounds))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+def setup_gpu(seed: int) -> None:
+    """Megatron's normal 1-GPU init: NCCL process group, model-parallel groups, CUDA RNG tracker."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.cuda.set_device(0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def build_model(name: str, recompute: bool, args, max_len: int):
+    """HybridModel with ``tree_hybrid_stack_spec``; bf16 on CUDA, fp32 tiny through cpu_shim on CPU."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron_harts.megatron import cpu_shim
+
+    pattern, over = (TINY if args.tiny else MODELS)[name]
+    over = dict(over, **(RECOMPUTE if recompute else {}))
+    if args.device == "cpu":
+        cpu_shim.cpu_manual_seed(args.seed)
+        return cpu_shim.build_tiny_hybrid_model(pattern, vocab_size=args.vocab, max_sequence_length=max_len,
+                                                hybrid_stack_spec=tree_hybrid_stack_spec(over.get("num_moe_experts")),
+                                                init_method_std=0.1, **over)
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    model_parallel_cuda_manual_seed(args.seed)
+    cfg = cpu_shim.tiny_hybrid_config(pattern, **over, params_dtype=torch.bfloat16, bf16=True,
+                                      use_cpu_initialization=False, init_method_std=0.02)
+    return HybridModel(config=cfg, hybrid_stack_spec=tree_hybrid_stack_spec(cfg.num_moe_experts),
+                       vocab_size=args.vocab, max_sequence_length=max_len, hybrid_layer_pattern=pattern,
+                       position_embedding_type="rope", share_embeddings_and_output_weights=False)
+
+
+def cost_model_for(name: str, args) -> CostModel:
+    pattern, o = (TINY if args.tiny else MODELS)[name]
+    return CostModel.from_pattern(pattern, o["hidden_size"], ffn_hidden=o.get("ffn_hidden_size"),
+                                  moe_ffn_hidden=o.get("moe_ffn_hidden_size"), moe_topk=o.get("moe_router_topk", 2),
+                                  num_experts=o.get("num_moe_experts", 0), vocab_size=args.vocab,
+                                  chunk_size=args.chunk_size)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+class Clock:
+    """CUDA events on GPU, perf_counter on CPU; ``ms(a, b)`` after ``sync()``."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else 1e3 * (b - a)
+
+
+def run_mb(model, mb: dict, norm: float, grad: bool = True):
+    """Forward (model + log-probs + loss) of one microbatch; returns (loss, log-probs list)."""
+    p = mb["pack"]
+    logits = model(p.tokens[None], p.position_ids[None], None, packed_seq_params=tree_packed_seq_params(p))
+    lps = tree_token_logprobs(logits[0], p)
+    loss = -sum((lp.float() * w).sum() for lp, w in zip(lps, mb["weights"])) / norm
+    return loss, lps
+
+
+def train_step(model, mbs: list[dict], norm: float, clock: Clock, keep_logprobs: bool = False):
+    """Gradient of one global batch (accumulated over microbatches). Returns fwd ms, bwd ms, and
+    {trajectory id: fp32 log-probs} when ``keep_logprobs``."""
+    model.zero_grad(set_to_none=True)
+    marks, lp_out = [], {}
+    for mb in mbs:
+        a = clock.mark()
+        loss, lps = run_mb(model, mb, norm)
+        b = clock.mark()
+        loss.backward()
+        marks.append((a, b, clock.mark()))
+        if keep_logprobs:
+            lp_out.update({i: lp.detach().float() for i, lp in zip(mb["ids"], lps) if i != "__pad__"})
+    clock.sync()
+    return (sum(clock.ms(a, b) for a, b, _ in marks), sum(clock.ms(b, c) for _, b, c in marks), lp_out)
+
+
+@torch.no_grad()
+def forward_logprobs(model, mbs: list[dict]) -> dict:
+    out = {}
+    for mb in mbs:
+        _, lps = run_mb(model, mb, 1.0)
+        out.update({i: lp.float() for i, lp in zip(mb["ids"], lps) if i != "__pad__"})
+    return out
+
+
+def warmup(model, sides: list[list[dict]], norm: float) -> None:
+    """fwd+bwd once per distinct microbatch size (compiles fla / FlexAttention for that shape) and a
+    forward of every other microbatch (builds its cached plans and block masks)."""
+    seen = set()
+    for mbs in sides:
+        for mb in mbs:
+            T = mb["pack"].num_tokens
+            if T in seen:
+                with torch.no_grad():
+                    run_mb(model, mb, norm)
+            else:
+                seen.add(T)
+                run_mb(model, mb, norm)[0].backward()
+    model.zero_grad(set_to_none=True)
+
+
+def lp_diff(a: dict, b: dict) -> dict:
+    """max / mean |a - b| over all tokens of the trajectories in both (nats)."""
+    d = torch.cat([(a[k] - b[k]).abs().flatten() for k in b if k in a and b[k].numel()])
+    return {"max": float(d.max()), "mean": float(d.mean())}
+
+
+def opt_ms(model, clock: Clock, reps: int = 3) -> float:
+    """Median ms of one AdamW step over all parameters (fused on CUDA; lr 0: weights unchanged)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, fused=clock.cuda)
+    times = []
+    for _ in range(reps + 1):
+        a = clock.mark()
+        opt.step()
+        b = clock.mark()
+        clock.sync()
+        times.append(clock.ms(a, b))
+    del opt
+    return statistics.median(times[1:])
+
+
+def peak_gib(device) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, args, device) -> dict:
+    clock = Clock(device)
+    cm = cost_model_for(model_name, args)
+    t0 = time.perf_counter()
+    sides = {s: microbatches(trajs, s, args, cm, device) for s in ("baseline", "harts")}
+    host_s = time.perf_counter() - t0
+    norm = float(sum(max(int(np.sum(t.loss_mask)), 0) for t in trajs)) or 1.0
+    warmup(model, list(sides.values()), norm)
+    row = dict(model=model_name, workload=wl, recompute=recompute, trajectories=len(trajs),
+               trajectory_tokens=sum(len(t) for t in trajs), host_pack_s=host_s)
+    lps = {}
+    for side, mbs in sides.items():
+        reset_peak(device)
+        f, b = [], []
+        for step in range(args.max_steps):
+            fm, bm, lp = train_step(model, mbs, norm, clock, keep_logprobs=step == 0)
+            f.append(fm)
+            b.append(bm)
+            lps.setdefault(side, lp)
+        fwd, bwd = statistics.median(f), statistics.median(b)
+        row[side] = dict(microbatches=len(mbs), compact_tokens=sum(m["compact"] for m in mbs),
+                         pad_tokens=sum(m["pad"] for m in mbs), fwd_ms=fwd, bwd_ms=bwd, grad_ms=fwd + bwd,
+                         tokens_per_s=row["trajectory_tokens"] / ((fwd + bwd) / 1e3), peak_gib=peak_gib(device),
+                         rounds=sum(m["rounds"] for m in mbs), max_rounds=max(m["rounds"] for m in mbs))
+    o = opt_ms(model, clock)
+    for side in sides:
+        row[side]["opt_ms"] = o
+        row[side]["step_ms"] = row[side]["grad_ms"] + o
+    model.zero_grad(set_to_none=True)
+    if args.rerun:
+        rerun = forward_logprobs(model, microbatches(trajs, "baseline", args, cm, device, shuffle=args.seed + 1))
+        row["lp_diff_rerun"] = lp_diff(rerun, lps["baseline"])
+    row["lp_diff_harts"] = lp_diff(lps["harts"], lps["baseline"])
+    row["compression"] = row["trajectory_tokens"] / row["harts"]["compact_tokens"]
+    row["speedup"] = row["baseline"]["grad_ms"] / row["harts"]["grad_ms"]
+    row["speedup_with_opt"] = row["baseline"]["step_ms"] / row["harts"]["step_ms"]
+    row["target"] = 0.9 * row["compression"]
+    row["meets_target"] = row["speedup"] >= row["target"] and (wl != "swe" or not recompute or row["speedup"] >= 5)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+def table(rows: list[dict]) -> list[str]:
+    head = ("| model | workload | recompute | traj tokens | compression | base ms | harts ms | speedup | target "
+            "| w/ opt | base GiB | harts GiB | rounds b/h | lp diff h-b max/mean | lp diff rerun max/mean | met |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        b, h = r["baseline"], r["harts"]
+        rr = r.get("lp_diff_rerun", {"max": float("nan"), "mean": float("nan")})
+        lines.append(f"| {r['model']} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['trajectory_tokens']} "
+                     f"| {r['compression']:.2f} | {b['grad_ms']:.1f} | {h['grad_ms']:.1f} | {r['speedup']:.2f} "
+                     f"| {r['target']:.2f} | {r['speedup_with_opt']:.2f} | {b['peak_gib']:.1f} | {h['peak_gib']:.1f} "
+                     f"| {b['rounds']}/{h['rounds']} | {r['lp_diff_harts']['max']:.2e}/{r['lp_diff_harts']['mean']:.1e} "
+                     f"| {rr['max']:.2e}/{rr['mean']:.1e} | {'yes' if r['meets_target'] else 'no'} |")
+    return lines
+
+
+def render(rows: list[dict], metas: list[dict], out_dir: str) -> None:
+    """``e2e.md`` (table) + ``e2e.png`` (speedup vs compression, ideal and 0.9x lines)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = metas[0] if metas else {}
+    lines = ["# End-to-end: HARTS vs trajectory-wise training step (H200)", "",
+             f"Machine: {m.get('device', '?')}; torch {m.get('torch', '?')}; bf16; chunk {m.get('chunk_size')}; "
+             f"microbatch capacity {m.get('capacity')} tokens; median of {m.get('max_steps')} steps after warm-up. "
+             "Times are forward + backward over all microbatches of the global batch (gradient, optimizer "
+             "excluded; `w/ opt` adds one AdamW step to both sides). Produced by `scripts/bench_e2e.py`; raw "
+             "numbers in the JSON next to this file.", ""] + table(rows)
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    for key in sorted({(r["model"], r["recompute"]) for r in rows}):
+        pts = sorted((r["compression"], r["speedup"], r["workload"]) for r in rows if (r["model"], r["recompute"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{key[0]}, recompute {'on' if key[1] else 'off'}")
+        for c, s, w in pts:
+            if not w.startswith("sweep"):
+                ax.annotate(w, (c, s), fontsize=7)
+    hi = max([r["compression"] for r in rows] + [2]) * 1.05
+    ax.plot([1, hi], [1, hi], "k--", lw=0.8, label="ideal (= compression)")
+    ax.plot([1, hi], [0.9, 0.9 * hi], "k:", lw=0.8, label="target 0.9x")
+    ax.set_xlabel("compression (trajectory tokens / compact tokens)")
+    ax.set_ylabel("speedup (baseline ms / HARTS ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "e2e.png"), dpi=120)
+    lines += ["", "![speedup vs compression](e2e.png)", ""]
+    with open(os.path.join(out_dir, "e2e.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for e2e.json (or e2e.md/png)")
+    ap.add_argument("--name", default="e2e.json", help="JSON file name inside --out")
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="render e2e.md/e2e.png from result JSONs and exit")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny fp32 models and workloads (smoke test)")
+    ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--workloads", default="swe,tau,sweep", help="swe, tau, sweep (= every --compressions), sweep:C")
+    ap.add_argument("--recompute", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--compressions", default="2,4,6,8,10")
+    ap.add_argument("--max-steps", type=int, default=2, help="timed global-batch steps per side (median)")
+    ap.add_argument("--capacity", type=int, default=0, help="max tokens per microbatch (0: 65536 with "
+                    "recompute, 32768 without; tiny: 256)")
+    ap.add_argument("--pad-multiple", type=int, default=8192, help="pad packs to a multiple (0: off)")
+    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--swe-groups", type=int, default=2)
+    ap.add_argument("--swe-max-tokens", type=int, default=32768)
+    ap.add_argument("--tau-groups", type=int, default=8)
+    ap.add_argument("--sweep-tokens", type=int, default=131072)
+    ap.add_argument("--no-rerun", dest="rerun", action="store_false", help="skip the baseline rerun")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
+    args = ap.parse_args(argv)
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    os.makedirs(args.out, exist_ok=True)
+    if args.plot:
+        rows, metas = [], []
+        for path in args.plot:
+            with open(path) as f:
+                d = json.load(f)
+            rows += d["rows"]
+            metas.append(d["meta"])
+        render(rows, metas, args.out)
+        print("\n".join(table(rows)))
+        return 0
+    if args.tiny:
+        args.vocab, args.pad_multiple = 64, (args.pad_multiple if args.device == "cuda" else 0)
+    wls = []
+    for w in args.workloads.split(","):
+        wls += [f"sweep:{c}" for c in args.compressions.split(",")] if w == "sweep" else [w]
+    recs = {"on": [True], "off": [False], "both": [True, False]}[args.recompute]
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        import torch._dynamo as dynamo
+        for k in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(dynamo.config, k):
+                setattr(dynamo.config, k, 256)
+        setup_gpu(args.seed)
+        ctx = contextlib.nullcontext()
+    else:
+        import torch._dynamo as dynamo
+        from megatron_harts.megatron import cpu_shim
+        dynamo.config.disable = True        # Megatron's torch.compile'd fusions: minutes of C++ builds on CPU
+        ctx = cpu_shim.cpu_megatron(seed=args.seed)
+    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                chunk_size=args.chunk_size, max_steps=args.max_steps, pad_multiple=args.pad_multiple,
+                vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv)
+    data = {wl: workload(wl, args) for wl in wls}
+    max_len = max([len(t) for ts in data.values() for t in ts] + [args.pad_multiple])   # RoPE table (pad chain too)
+    rows, path = [], os.path.join(args.out, args.name)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = lambda x, **k: x  # noqa: E731
+    todo = [(m, r, w) for m in args.models.split(",") for r in recs for w in wls]
+    with ctx:
+        model, key = None, None
+        for m, rc, wl in tqdm(todo, desc="e2e", file=sys.stderr):
+            cap = args.capacity or (256 if args.tiny else 65536 if rc else 32768)
+            args_c = argparse.Namespace(**{**vars(args), "capacity": cap})
+            if key != (m, rc):
+                model = None
+                reset_peak(device)
+                model, key = build_model(m, rc, args, max_len), (m, rc)
+                meta.setdefault("params", {})[m] = sum(p.numel() for p in model.parameters())
+            meta["capacity"] = cap
+            t0 = time.perf_counter()
+            row = bench_row(model, m, rc, wl, data[wl], args_c, device)
+            row.update(capacity=cap, wall_s=time.perf_counter() - t0)
+            rows.append(row)
+            with open(path, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            print(f"[e2e] {m} {wl} recompute={rc}: compression {row['compression']:.2f} speedup "
+                  f"{row['speedup']:.2f} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    print("\n".join(table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
