@@ -12,7 +12,8 @@ its default is a guess until fitted from measured layer times.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -56,6 +57,20 @@ class CostModel:
         n_lin = sum(s in LINEAR for s in pattern)
         return cls(per_token=3 * per_token, per_ancestor=3 * 4 * h * n_att,
                    per_round=n_lin * round_latency_s * flops_per_s)
+
+    def to_json(self, path, **extra) -> None:
+        """Write the coefficients (and ``extra`` keys, e.g. fit statistics) as one JSON object."""
+        with open(path, "w") as f:
+            json.dump({**asdict(self), **extra}, f, indent=1)
+
+    @classmethod
+    def from_json(cls, path) -> "CostModel":
+        """Coefficients ``per_token``, ``per_ancestor``, ``per_round`` of a JSON object (other keys
+        ignored), e.g. written by ``scripts/calibrate_cost.py``:
+        ``plan(trees, ..., cost_model=CostModel.from_json(path))``."""
+        with open(path) as f:
+            d = json.load(f)
+        return cls(**{k: float(d[k]) for k in ("per_token", "per_ancestor", "per_round")})
 
     def tree_cost(self, tokens, ancestors) -> np.ndarray:
         """Additive part of the cost (FLOPs) for arrays of compact tokens and ancestor pairs."""
