@@ -86,7 +86,6 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
         jl = [leaf(x[idx] if x.shape[0] == T else x, torch.float32 if i in fp32 else bf) for i, x in enumerate(base)]
         tree_ms = time_fwd_bwd(lambda: tree_fn(*tl), tl, args.reps)
         traj_ms = time_fwd_bwd(lambda: traj_fn(*jl), jl, args.reps)
-        del tl, jl
         record(op, tree_ms, traj_ms)
 
     gdn_in = lambda: [F.normalize(torch.randn(T, H, K, device=dev), dim=-1),

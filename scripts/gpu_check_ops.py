@@ -120,48 +120,39 @@ def main():
     def fla_gla(q, k, v, g):
         return chunk_simple_gla(q[None], k[None], v[None], g[None].float(), cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0][0]
 
+    D = 3 * H * K  # GDN conv channels, as in the benchmark
+    V = 32768      # sweep_trees draws ids below 32000
+    # name -> (inputs, number of per-token inputs, tree fast path, trajectory-wise fast path,
+    #          fp32 reference on the trajectory-wise layout, inputs kept in fp32)
+    cases = {
+        "gdn": (lambda: [q, k, v, gate, beta], 5,
+                lambda *x: tree_gated_delta_rule(*x, p, backend="fla"), fla_gdn,
+                lambda *x: tree_gated_delta_rule(*x, pt, backend="torch"), (3,)),
+        "simple_gla": (lambda: [q, k, v[:, :H].contiguous(), gate[:, :H].contiguous()], 4,
+                       lambda *x: tree_simple_gla(*x, p, backend="fla"), fla_gla,
+                       lambda *x: tree_simple_gla(*x, pt, backend="torch"), (3,)),
+        "conv": (lambda: [torch.randn(T, D, device=dev), torch.randn(D, 4, device=dev) / 2,
+                          torch.randn(D, device=dev)], 1,
+                 lambda x, w, b: tree_causal_conv1d(x, w, b, p, "silu", backend="fla"),
+                 lambda x, w, b: causal_conv1d(x[None], w, b, activation="silu", cu_seqlens=cu,
+                                               cu_seqlens_cpu=cu_cpu)[0][0],
+                 lambda x, w, b: tree_causal_conv1d(x, w, b, pt, "silu", backend="torch"), ()),
+        "attention": (lambda: [torch.randn(T, 16, 128, device=dev), torch.randn(T, 4, 128, device=dev),
+                               torch.randn(T, 4, 128, device=dev)], 3,
+                      lambda *x: tree_attention(*x, p, backend="flex"),
+                      lambda *x: tree_attention(*x, pt, backend="flex"),
+                      lambda *x: tree_attention(*x, pt, backend="torch"), ()),
+        "logprobs": (lambda: [4 * torch.randn(T, V, device=dev)], 1,
+                     lambda l: node_logprobs(l, p)[:, None], lambda l: node_logprobs(l, pt)[:, None],
+                     lambda l: node_logprobs(l, pt)[:, None], ()),
+    }
     report = {"pack": {"trajectories": p.num_trajectories, "trajectory_tokens": p.num_trajectory_tokens,
                        "compact_tokens": T}}
-    log("gdn")
-    if "gdn" in args.ops:
-        report["gdn"] = run_case(
-            [q, k, v, gate, beta], 5,
-        lambda *x: tree_gated_delta_rule(*x[:3], x[3].float(), x[4], p, backend="fla"), fla_gdn,
-        lambda *x: tree_gated_delta_rule(*x, pt, backend="torch"), p, keep_fp32=(3,))
-    save(args.out, report)
-    log("simple_gla")
-    if "simple_gla" in args.ops:
-        report["simple_gla"] = run_case(
-        [q, k, v[:, :H].contiguous(), gate[:, :H].contiguous()], 4,
-        lambda *x: tree_simple_gla(*x[:3], x[3].float(), p, backend="fla"), fla_gla,
-        lambda *x: tree_simple_gla(*x, pt, backend="torch"), p, keep_fp32=(3,))
-    D = 3 * H * K  # GDN conv channels, as in the benchmark
-    x = torch.randn(T, D, device=dev)
-    w = torch.randn(D, 4, device=dev) / 2
-    b = torch.randn(D, device=dev)
-    save(args.out, report)
-    log("conv")
-    if "conv" in args.ops:
-        report["conv"] = run_case(
-        [x, w, b], 1, lambda x, w, b: tree_causal_conv1d(x, w, b, p, "silu", backend="fla"),
-        lambda x, w, b: causal_conv1d(x[None], w, b, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0][0],
-        lambda x, w, b: tree_causal_conv1d(x, w, b, pt, "silu", backend="torch"), p)
-    qa, ka, va = torch.randn(T, 16, 128, device=dev), torch.randn(T, 4, 128, device=dev), torch.randn(T, 4, 128, device=dev)
-    save(args.out, report)
-    log("attention")
-    if "attention" in args.ops:
-        report["attention"] = run_case(
-        [qa, ka, va], 3, lambda *x: tree_attention(*x, p, backend="flex"),
-        lambda *x: tree_attention(*x, pt, backend="flex"), lambda *x: tree_attention(*x, pt, backend="torch"), p)
-    V = 32768  # sweep_trees draws ids below 32000
-    logits = 4 * torch.randn(T, V, device=dev)
-    save(args.out, report)
-    log("logprobs")
-    if "logprobs" in args.ops:
-        report["logprobs"] = run_case(
-        [logits], 1, lambda l: node_logprobs(l, p)[:, None],
-        lambda l: node_logprobs(l, pt)[:, None], lambda l: node_logprobs(l, pt)[:, None], p)
-
+    for name in args.ops.split(","):
+        log(name)
+        make, per_token, tree_fn, traj_fn, ref_fn, keep = cases[name]
+        report[name] = run_case(make(), per_token, tree_fn, traj_fn, ref_fn, p, keep_fp32=keep)
+        save(args.out, report)
     save(args.out, report)
     print(f"{'op':<11} {'path':<5} {'out abs':>9} {'out rel':>9} {'worst grad rel':>15} nan")
     for op in ("gdn", "simple_gla", "conv", "attention", "logprobs"):

@@ -14,7 +14,6 @@ unpacked torch path vs the baseline: up to 3.5e-5). They are held to DECAY_TOL =
 GDN core in fp64 the tree-vs-baseline error of these grads drops to 3e-7, the rest being
 Megatron's fp32 casts of ``gate``/``alpha``.)
 """
-import numpy as np
 import pytest
 import torch
 

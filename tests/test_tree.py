@@ -2,7 +2,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, strategies as st
 
 from megatron_harts.packing import pack

@@ -26,7 +26,6 @@ context parallelism, padded THD.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -181,7 +181,6 @@ def split_parts(st: TreeStats, capacity: int) -> Parts:
     z = lambda a: np.concatenate([[0], np.cumsum(a)])
     P_new, P_att, P_rep, P_len = z(new), z(att), z(rep), z(L)
     cu = st.cu
-    n = len(st)
     mem_whole = (P_new[cu[1:]] - P_new[cu[:-1]]) + (P_rep[cu[1:]] - P_rep[cu[:-1]])
     big = mem_whole > capacity
     starts, stops, trees = [cu[:-1][~big]], [cu[1:][~big]], [np.flatnonzero(~big)]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-import numpy as np
 
 from .trajectory import Trajectory, TreeValidationError, make_trajectory
 from .trie import Trie, build_trie
