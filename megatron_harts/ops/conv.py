@@ -41,8 +41,13 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     rows = conv_fix_rows(pack, W)
     y, _ = causal_conv1d(x.unsqueeze(0), weight, bias, activation=activation)
-    # fla saves only its inputs, so patching its output in place is safe for autograd.
-    return y.squeeze(0).index_copy_(0, rows, _gather_conv(x, weight, bias, anc[:, rows], activation))
+    y, fix = y.squeeze(0), _gather_conv(x, weight, bias, anc[:, rows], activation)
+    # fla saves only its inputs, so patching its output in place is safe for autograd, unless
+    # the output is a view made inside fla's autograd Function (autograd then refuses at once).
+    try:
+        return y.index_copy_(0, rows, fix)
+    except RuntimeError:
+        return y.index_copy(0, rows, fix)
 
 
 def _gather_conv(x, weight, bias, anc, activation):
