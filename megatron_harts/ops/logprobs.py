@@ -48,7 +48,8 @@ def node_logprobs(logits: torch.Tensor, pack: TreePack, tp_group=None) -> torch.
 def restore(per_token: torch.Tensor, pack: TreePack, drop_first: bool = True) -> list[torch.Tensor]:
     """Scatter a compact ``[T, ...]`` tensor back to per-trajectory tensors ``[L_i (- 1), ...]``."""
     flat = per_token.index_select(0, pack.traj_index)
-    parts = torch.split(flat, pack.trajectory_lengths.tolist())
+    lengths = pack.cached(("host", "trajectory_lengths"), lambda: pack.trajectory_lengths.tolist())
+    parts = torch.split(flat, lengths)
     return [p[1:] for p in parts] if drop_first else list(parts)
 
 
