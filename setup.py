@@ -20,7 +20,8 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "transformers>=5.0"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "transformers>=5.0",
+                 "matplotlib>=3.8", "scipy>=1.11"],
         "bench": ["matplotlib>=3.8", "scipy>=1.11"],
         "te": ["transformer-engine>=2.0"],
         "apex": ["apex"],

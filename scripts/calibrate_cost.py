@@ -71,24 +71,13 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Fit (numpy / scipy only; used by tests)
+# Fit (numpy + scipy; used by tests)
 # ------------------------------------------------------------------------------------------------
 
 
 def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
-    try:
-        from scipy.optimize import nnls
-        return nnls(A, b)[0]
-    except ImportError:   # lstsq, dropping negative coefficients until none is left
-        active = np.ones(A.shape[1], dtype=bool)
-        x = np.zeros(A.shape[1])
-        while active.any():
-            x[:] = 0
-            x[active] = np.linalg.lstsq(A[:, active], b, rcond=None)[0]
-            if (x >= 0).all():
-                break
-            active &= x > 0
-        return np.maximum(x, 0)
+    from scipy.optimize import nnls
+    return nnls(A, b)[0]
 
 
 def fit_cost_model(tokens, ancestors, rounds, times, *, intercept: bool = True,
