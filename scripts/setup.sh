@@ -37,3 +37,4 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -c 'import megatron_harts, torch, megatron.core; print("[setup] ok: torch", torch.__version__, "megatron-core", megatron.core.__version__)'
+sha256sum setup.py > .venv/.harts-setup-stamp   # test.sh / demo.sh re-run setup when setup.py changes

@@ -3,6 +3,5 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-[ -x .venv/bin/python ] && .venv/bin/python -c 'import megatron_harts, megatron.core, fla, hypothesis' 2>/dev/null \
-  || bash scripts/setup.sh
+sha256sum --quiet -c .venv/.harts-setup-stamp 2>/dev/null || bash scripts/setup.sh
 exec .venv/bin/python -m pytest -q tests "$@"
