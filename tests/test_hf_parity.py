@@ -26,7 +26,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -34,7 +33,7 @@ from megatron_harts.megatron import convert, cpu_shim, tree_packed_seq_params
 from megatron_harts.ops import tree_token_logprobs
 from megatron_harts.packing import pack
 from megatron_harts.tree import RolloutTree
-from trees import corner_cases, deep_tree, wide_tree
+from trees import corner_cases, deep_tree, random_trees, wide_tree
 
 if importlib.util.find_spec("transformers") is None or \
         importlib.util.find_spec("transformers.models.qwen3_next") is None:
@@ -60,17 +59,7 @@ PATTERNS = {"qwen3next": "GEG-GE*E", "mix22": "GE*EGE*E"}
 
 
 def _random_trees(seed: int, num_trees: int = 2) -> list[list[list[int]]]:
-    """Root trajectory plus branches at random points, per tree."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(num_trees):
-        trajs = [rng.integers(0, VOCAB, int(rng.integers(1, 4 * C))).tolist()]
-        for _ in range(int(rng.integers(1, 6))):
-            base = trajs[int(rng.integers(len(trajs)))]
-            p = int(rng.integers(0, len(base) + 1))
-            trajs.append(base[:p] + rng.integers(0, VOCAB, int(rng.integers(1 if p == 0 else 0, 2 * C))).tolist())
-        out.append(trajs)
-    return out
+    return random_trees(seed, C, VOCAB, num_trees, branches=(1, 6))
 
 
 CASES = {name: [trajs] for name, trajs in corner_cases(C).items() if name not in ("deep", "wide")}

@@ -71,14 +71,16 @@ def corner_cases(C: int) -> dict[str, list[list[int]]]:
     }
 
 
-def random_trees(seed: int, chunk_size: int, vocab: int, num_trees: int = 3) -> list[list[list[int]]]:
-    """Token lists of ``num_trees`` trees, each a root trajectory plus branches at random points."""
+def random_trees(seed: int, chunk_size: int, vocab: int, num_trees: int = 3,
+                 branches: tuple[int, int] = (0, 6)) -> list[list[list[int]]]:
+    """Token lists of ``num_trees`` trees, each a root trajectory plus ``branches`` (half-open
+    range) branches at random points."""
     C = chunk_size
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(num_trees):
         trajs = [rng.integers(0, vocab, int(rng.integers(1, 4 * C))).tolist()]
-        for _ in range(int(rng.integers(0, 6))):
+        for _ in range(int(rng.integers(*branches))):
             base = trajs[int(rng.integers(len(trajs)))]
             p = int(rng.integers(0, len(base) + 1))
             trajs.append(base[:p] + rng.integers(0, vocab, int(rng.integers(1 if p == 0 else 0, 2 * C))).tolist())
