@@ -44,6 +44,21 @@ def time_fwd_bwd(fn, leaves, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def profile(fn, path: str, reps: int = 3) -> None:
+    """torch.profiler table (CUDA and CPU time per op/kernel) of ``reps`` fwd+bwd of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    out = fn()
+    do = torch.randn_like(out)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn().backward(do)
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
 def bench_case(total: int, compression: float, args) -> list[dict]:
     from fla.modules.causal_conv1d.ops import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -87,6 +102,9 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
         tree_ms = time_fwd_bwd(lambda: tree_fn(*tl), tl, args.reps)
         traj_ms = time_fwd_bwd(lambda: traj_fn(*jl), jl, args.reps)
         record(op, tree_ms, traj_ms)
+        if op in args.profile:
+            for side, fn, leaves in (("tree", tree_fn, tl), ("traj", traj_fn, jl)):
+                profile(lambda: fn(*leaves), os.path.join(args.out, f"profile_{op}_{N // 1024}k_{N / T:.0f}x_{side}.txt"))
 
     gdn_in = lambda: [F.normalize(torch.randn(T, H, K, device=dev), dim=-1),
                       F.normalize(torch.randn(T, H, K, device=dev), dim=-1), torch.randn(T, H, K, device=dev),
@@ -160,6 +178,7 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="", help="ops to profile (torch.profiler tables profile_*.txt in --out)")
     ap.add_argument("--plot", metavar="JSON", help="render ops.md/ops.png from a results JSON and exit")
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args()
@@ -171,7 +190,7 @@ def main():
             data = json.load(f)
         render(data["rows"], args.out, data["meta"])
         return
-    args.ops = args.ops.split(",")
+    args.ops, args.profile = args.ops.split(","), args.profile.split(",")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, heads=args.heads, dim=args.dim,
                 reps=args.reps)
     rows = []

@@ -188,7 +188,8 @@ def test_token_logprobs_random_trees(trajs, seed):
     assert _rel(grad, grad_r) < TOL
 
 
-def test_bad_inputs_raise_clear_errors():
+def test_bad_inputs_raise_clear_errors(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU fla runs only in Triton's interpreter
     p = _pack([[1, 2, 3]], 4)
     x = _gdn_inputs(3)
     with pytest.raises(ValueError, match="q: expected"):
@@ -208,7 +209,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.parametrize("case", list(corner_cases(8)))
 def test_conv_fix_rows_patch_a_plain_conv(case):
     """The fla conv backend = plain causal conv over the compact array + recomputed fix rows;
-    emulated here with the reference conv (fla's kernel is GPU-only)."""
+    emulated here with the reference conv on every corner case (test_fla_backend runs fla's kernel)."""
     from megatron_harts.ops.conv import _gather_conv
     from megatron_harts.ops.plan import conv_ancestors, conv_fix_rows
     p = _pack(corner_cases(8)[case], 8)

@@ -7,6 +7,7 @@ gathered from the previous round's final states (fp32, differentiable).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -23,7 +24,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "fla" if device.type == "cuda" else "torch"
-    if backend == "fla" and device.type != "cuda":
+    if backend == "fla" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='fla' needs CUDA tensors (fla's kernels are Triton); use backend='torch' on CPU")
     return backend
 
@@ -63,24 +64,23 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
     backend = resolve_backend(backend, q.device)
     if use_qk_l2norm_in_kernel and backend == "torch":
         q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
-    plan = chunk_plan(pack, chunk_size)
+    if backend == "fla":
+        from fla.modules.norm.l2norm import l2norm
 
-    if backend == "torch":
-        def kernel(xs, rd, init, want_final):
-            return chunk_gated_delta_rule_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
-                                                scale=scale, initial_state=init, output_final_state=want_final)
-    else:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from .gdn_fla import TreeGatedDeltaRuleFla, fused_rounds
 
-        def kernel(xs, rd, init, want_final):
-            o, fs = chunk_gated_delta_rule(*(x.unsqueeze(0) for x in xs), scale=scale, initial_state=init,
-                                           output_final_state=want_final, cu_seqlens=rd.cu_seqlens,
-                                           cu_seqlens_cpu=rd.cu_seqlens_cpu,
-                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                           chunk_size=chunk_size)
-            return o.squeeze(0), (fs.float() if fs is not None else None)
+        if use_qk_l2norm_in_kernel:
+            q, k = l2norm(q), l2norm(k)
+        plan = chunk_plan(pack, chunk_size)
+        xs = [x.index_select(0, plan.gather_all).unsqueeze(0) for x in (q, k, v, g, beta)]
+        o = TreeGatedDeltaRuleFla.apply(*xs, fused_rounds(pack, chunk_size), scale or q.shape[-1] ** -0.5)
+        return o[0].index_select(0, plan.out_index)
 
-    return run_rounds(plan, [q, k, v, g, beta], kernel)
+    def kernel(xs, rd, init, want_final):
+        return chunk_gated_delta_rule_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
+                                            scale=scale, initial_state=init, output_final_state=want_final)
+
+    return run_rounds(chunk_plan(pack, chunk_size), [q, k, v, g, beta], kernel)
 
 
 def tree_simple_gla(q, k, v, g, pack: TreePack, *, chunk_size: int = 64, scale: float | None = None,

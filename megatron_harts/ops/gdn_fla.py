@@ -1,0 +1,161 @@
+"""Tree gated delta rule on fla's kernels with the chunk-local work fused across rounds.
+
+fla's chunked GDN splits into chunk-local kernels (gate cumsum, WY representation, output,
+and most of the backward) and two inter-chunk recurrences (``fwd_h`` forward, ``bwd_dhu``
+backward). Only the recurrences depend on a sequence's initial state, so a tree pack needs
+one call per round for them alone; every chunk-local kernel runs once over all rounds'
+sequences (one varlen layout, ``ChunkPlan.gather_all``). Per layer that is 2 + R recurrence
+launches forward and 2R backward instead of R full fla calls each way.
+
+States between rounds: round r's final states (fp32) are gathered by ``init_from`` into round
+r+1's initial states; backward scatter-adds the initial-state gradients (``dh0``) back into the
+previous round's final-state gradients (``dht``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..packing import TreePack
+from .plan import ChunkPlan, chunk_plan
+
+
+@dataclass
+class VarlenChunks:
+    """fla varlen metadata of S sequences: ``cu_seqlens`` ``[S+1]``, ``chunk_indices`` ``[NT, 2]``
+    (sequence, chunk within it), ``chunk_offsets`` ``[S+1]`` (first chunk of each sequence), all
+    int64 on the device; ``start``/``stop`` the token range in the all-rounds layout."""
+
+    cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor
+    start: int
+    stop: int
+
+    @staticmethod
+    def build(cu: np.ndarray, chunk_size: int, device, start: int = 0) -> "VarlenChunks":
+        lens = np.diff(cu)
+        chunks = (lens + chunk_size - 1) // chunk_size
+        offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+        seq = np.repeat(np.arange(len(lens), dtype=np.int64), chunks)
+        within = np.arange(offsets[-1], dtype=np.int64) - offsets[seq]
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+        return VarlenChunks(t(cu), t(np.stack([seq, within], 1)), t(offsets), start, start + int(cu[-1]))
+
+
+@dataclass
+class FusedRounds:
+    """``all``: the rounds' sequences as one varlen batch; ``rounds[r]``: round r alone (its
+    own token offsets, zero-based); ``init_from[r]``: rows of round r-1's final states."""
+
+    all: VarlenChunks
+    rounds: list[VarlenChunks]
+    init_from: list[torch.Tensor | None]
+    chunk_size: int
+
+
+def fused_rounds(pack: TreePack, chunk_size: int) -> FusedRounds:
+    """:class:`FusedRounds` of ``pack`` (cached per chunk size and device)."""
+
+    def build():
+        plan: ChunkPlan = chunk_plan(pack, chunk_size)
+        dev = plan.gather_all.device
+        cus = [rd.cu_seqlens_cpu.numpy() for rd in plan.rounds]
+        starts = np.concatenate([[0], np.cumsum([int(c[-1]) for c in cus])])
+        cu_all = np.concatenate([[0]] + [c[1:] + s for c, s in zip(cus, starts)])
+        rounds = [VarlenChunks.build(c, chunk_size, dev, int(s)) for c, s in zip(cus, starts)]
+        return FusedRounds(VarlenChunks.build(cu_all, chunk_size, dev), rounds,
+                           [rd.init_from for rd in plan.rounds], chunk_size)
+
+    return pack.cached(("fla_fused_rounds", chunk_size, str(pack.device)), build)
+
+
+def _round_states(k, w, u, gc, fr: FusedRounds, keep_inits: bool):
+    """Run ``fwd_h`` round by round. Returns h ``[1, NT, HV, K, V]``, v_new like u, and the
+    initial states each round started from (None for round 0)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    hs, vs, inits, final = [], [], [], None
+    last = len(fr.rounds) - 1
+    for r, vc in enumerate(fr.rounds):
+        sl = slice(vc.start, vc.stop)
+        init = None if r == 0 else final.index_select(0, fr.init_from[r])
+        h, v_new, final = chunk_gated_delta_rule_fwd_h(
+            k=k[:, sl], w=w[:, sl], u=u[:, sl], g=gc[:, sl], initial_state=init, output_final_state=r < last,
+            chunk_size=fr.chunk_size, cu_seqlens=vc.cu_seqlens, chunk_indices=vc.chunk_indices,
+            chunk_offsets=vc.chunk_offsets)
+        hs.append(h)
+        vs.append(v_new)
+        inits.append(init if keep_inits else None)
+    cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)
+    return cat(hs), cat(vs), inits
+
+
+class TreeGatedDeltaRuleFla(torch.autograd.Function):
+    """q, k ``[1, N, H, K]``, v ``[1, N, HV, V]``, g, beta ``[1, N, HV]`` in the all-rounds layout
+    (``ChunkPlan.gather_all`` order) -> o ``[1, N, HV, V]``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, fr: FusedRounds, scale: float):
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        a, C = fr.all, fr.chunk_size
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            gc = chunk_local_cumsum(g, chunk_size=C, scale=RCP_LN2, cu_seqlens=a.cu_seqlens,
+                                    chunk_indices=a.chunk_indices)
+            w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=a.cu_seqlens,
+                                                       chunk_indices=a.chunk_indices, chunk_size=C)
+            h, v_new, _ = _round_states(k, w, u, gc, fr, keep_inits=False)
+            o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=a.cu_seqlens,
+                            chunk_indices=a.chunk_indices, chunk_size=C)
+        ctx.save_for_backward(q, k, v, gc, beta, A)
+        ctx.fr, ctx.scale, ctx.g_dtype = fr, scale, g.dtype
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+        from fla.ops.utils import chunk_local_cumsum
+
+        q, k, v, gc, beta, A = ctx.saved_tensors
+        fr, scale = ctx.fr, ctx.scale
+        a, C = fr.all, fr.chunk_size
+        do = do.contiguous()
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=gc, cu_seqlens=a.cu_seqlens,
+                                     chunk_indices=a.chunk_indices)
+            h, v_new, inits = _round_states(k, w, u, gc, fr, keep_inits=True)
+            dv = chunk_bwd_dv_local(q=q, k=k, g=gc, do=do, scale=scale, cu_seqlens=a.cu_seqlens,
+                                    chunk_indices=a.chunk_indices, chunk_size=C)
+            dhs, dvs, dht = [None] * len(fr.rounds), [None] * len(fr.rounds), None
+            for r in reversed(range(len(fr.rounds))):
+                vc = fr.rounds[r]
+                sl = slice(vc.start, vc.stop)
+                dhs[r], dh0, dvs[r] = chunk_gated_delta_rule_bwd_dhu(
+                    q=q[:, sl], k=k[:, sl], w=w[:, sl], do=do[:, sl], dv=dv[:, sl], g=gc[:, sl], h0=inits[r],
+                    dht=dht, scale=scale, cu_seqlens=vc.cu_seqlens, chunk_size=C,
+                    chunk_indices=vc.chunk_indices, chunk_offsets=vc.chunk_offsets)
+                if r > 0:
+                    n_prev = fr.rounds[r - 1].cu_seqlens.shape[0] - 1
+                    dht = dh0.new_zeros((n_prev, *dh0.shape[1:])).index_add_(0, fr.init_from[r], dh0)
+            cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)
+            dh, dv = cat(dhs), cat(dvs)
+            dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=gc, h=h, dv=dv, do=do, dh=dh, scale=scale,
+                                             cu_seqlens=a.cu_seqlens, chunk_indices=a.chunk_indices, chunk_size=C)
+            dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=gc, A=A, dw=dw, du=dv,
+                                                   cu_seqlens=a.cu_seqlens, chunk_indices=a.chunk_indices)
+            dk.add_(dk2)
+            dg.add_(dg2)
+            dg = chunk_local_cumsum(dg, chunk_size=C, reverse=True, cu_seqlens=a.cu_seqlens,
+                                    chunk_indices=a.chunk_indices)
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), None, None
+

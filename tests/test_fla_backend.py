@@ -1,0 +1,84 @@
+"""fla backends (the GPU code path) against the torch backends, on the corner-case trees.
+
+Without CUDA the fla kernels run in Triton's interpreter (``tests/fla_interpret.py``, enabled
+by conftest), so CI on CPU checks the same kernel calls, round fusion and state handoffs the
+H200 runs; inputs are fp32 and small (chunk 16, K=V=16) to keep the interpreter fast.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_harts.ops import chunk_plan, tree_causal_conv1d, tree_gated_delta_rule, tree_simple_gla
+from megatron_harts.packing import pack
+from megatron_harts.tree import RolloutTree
+from trees import corner_cases, random_trees
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+C = 16
+TOL = 1e-4 if DEV == "cuda" else 1e-5  # TF32 dots on GPU
+CASES = ["on_boundary", "one_past", "one_before", "ends_inside", "duplicates", "multi_root", "long_chain"]
+
+
+def _pack(trajs):
+    return pack([RolloutTree.from_trajectories(trajs)], chunk_size=C).to(DEV)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-6))
+
+
+def _inputs(T, H, HV, K, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, K, generator=g)
+    k = F.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    v = torch.randn(T, HV, V, generator=g)
+    gate = F.logsigmoid(torch.randn(T, HV, generator=g) + 2)
+    beta = torch.rand(T, HV, generator=g)
+    return [x.to(DEV) for x in (q, k, v, gate, beta)]
+
+
+def _check_backends(fn, inputs, seed=0):
+    """Outputs and the gradients of every input under a random cotangent: fla vs torch."""
+    res = []
+    for backend in ("fla", "torch"):
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+        out = fn(*leaves, backend=backend)
+        do = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
+        res.append([out.detach()] + list(torch.autograd.grad((out * do).sum(), leaves)))
+    for n, (a, b) in enumerate(zip(*res)):
+        assert _rel(a, b) < TOL, f"{'output' if n == 0 else f'grad of input {n - 1}'}: rel err {_rel(a, b):.2e}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gated_delta_rule_fla_rounds_fused(case):
+    p = _pack(corner_cases(C)[case])
+    _check_backends(lambda *x, backend: tree_gated_delta_rule(*x, p, chunk_size=C, backend=backend),
+                    _inputs(p.num_tokens, 1, 2, 16, 16, seed=1))
+
+
+def test_gated_delta_rule_fla_many_rounds_l2norm_and_scale():
+    """Several trees per pack, >= 3 rounds, qk l2-norm in the kernel and an explicit scale."""
+    base = list(range(4 * C))
+    b1 = base[:C + 3] + [100 + i for i in range(2 * C)]
+    nested = [base, b1, b1[:2 * C + 5] + [200 + i for i in range(C)], b1[:2 * C - 1] + [300, 301]]
+    groups = [nested] + random_trees(3, C, vocab=3, num_trees=2, branches=(3, 6))
+    p = pack([RolloutTree.from_trajectories(t) for t in groups], chunk_size=C).to(DEV)
+    assert chunk_plan(p, C).num_rounds >= 3
+    _check_backends(lambda *x, backend: tree_gated_delta_rule(*x, p, chunk_size=C, scale=0.3, backend=backend,
+                                                              use_qk_l2norm_in_kernel=True),
+                    _inputs(p.num_tokens, 2, 2, 16, 16, seed=2))
+
+
+@pytest.mark.parametrize("case", ["on_boundary", "ends_inside", "multi_root"])
+def test_simple_gla_fla(case):
+    p = _pack(corner_cases(C)[case])
+    q, k, v, g, _ = _inputs(p.num_tokens, 2, 2, 16, 16, seed=3)
+    _check_backends(lambda *x, backend: tree_simple_gla(*x, p, chunk_size=C, backend=backend), [q, k, v, g])
+
+
+@pytest.mark.parametrize("case", ["one_past", "duplicates", "multi_root"])
+def test_causal_conv1d_fla(case):
+    p = _pack(corner_cases(C)[case])
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(*s, generator=g).to(DEV) for s in ((p.num_tokens, 8), (8, 4), (8,)))
+    _check_backends(lambda *a, backend: tree_causal_conv1d(*a, p, activation="silu", backend=backend), [x, w, b])
