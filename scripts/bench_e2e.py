@@ -166,9 +166,10 @@ def build_model(name: str, recompute: bool, args, max_len: int):
     model_parallel_cuda_manual_seed(args.seed)
     cfg = cpu_shim.tiny_hybrid_config(pattern, **over, params_dtype=torch.bfloat16, bf16=True,
                                       use_cpu_initialization=False, init_method_std=0.02)
-    return HybridModel(config=cfg, hybrid_stack_spec=tree_hybrid_stack_spec(cfg.num_moe_experts),
-                       vocab_size=args.vocab, max_sequence_length=max_len, hybrid_layer_pattern=pattern,
-                       position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    model = HybridModel(config=cfg, hybrid_stack_spec=tree_hybrid_stack_spec(cfg.num_moe_experts),
+                        vocab_size=args.vocab, max_sequence_length=max_len, hybrid_layer_pattern=pattern,
+                        position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    return model.cuda(torch.cuda.current_device())  # local-spec norms are created on the host (as in get_model)
 
 
 def cost_model_for(name: str, args) -> CostModel:
@@ -284,6 +285,18 @@ def reset_peak(device):
         torch.cuda.reset_peak_memory_stats()
 
 
+def profile_step(model, mbs: list[dict], norm: float, clock: Clock, path: str) -> None:
+    """torch.profiler table of one global-batch step (kernels and ops by total CUDA time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.cuda else [])
+    with profile(activities=acts) as prof:
+        train_step(model, mbs, norm, clock)
+    sort = "cuda_time_total" if clock.cuda else "cpu_time_total"
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=40))
+
+
 def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, args, device) -> dict:
     clock = Clock(device)
     cm = cost_model_for(model_name, args)
@@ -308,6 +321,10 @@ def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, arg
                          pad_tokens=sum(m["pad"] for m in mbs), fwd_ms=fwd, bwd_ms=bwd, grad_ms=fwd + bwd,
                          tokens_per_s=row["trajectory_tokens"] / ((fwd + bwd) / 1e3), peak_gib=peak_gib(device),
                          rounds=sum(m["rounds"] for m in mbs), max_rounds=max(m["rounds"] for m in mbs))
+    if args.profile:
+        for side, mbs in sides.items():
+            profile_step(model, mbs, norm, clock, os.path.join(
+                args.out, f"profile_{model_name}_{wl.replace(':', '')}_{'rc' if recompute else 'norc'}_{side}.txt"))
     o = opt_ms(model, clock)
     for side in sides:
         row[side]["opt_ms"] = o
@@ -397,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swe-max-tokens", type=int, default=32768)
     ap.add_argument("--tau-groups", type=int, default=8)
     ap.add_argument("--sweep-tokens", type=int, default=131072)
+    ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per side and row")
     ap.add_argument("--no-rerun", dest="rerun", action="store_false", help="skip the baseline rerun")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
