@@ -220,3 +220,27 @@ def test_conv_fix_rows_patch_a_plain_conv(case):
     y = y.index_copy(0, rows, _gather_conv(x, w, b, conv_ancestors(p, 4)[:, rows], "silu"))
     for i in p.index_of_trajectory:
         torch.testing.assert_close(y[i], ref.causal_conv1d(x[i], w, b, "silu"), rtol=1e-5, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("case", ["wide", "duplicates", "one_past"])
+def test_plan_gather_backward_equals_index_select(case):
+    """gather_rounds / owned_outputs: same values and gradients as plain index_select."""
+    from megatron_harts.ops.gather import gather_rounds, owned_outputs
+    p = _pack(corner_cases(8)[case], 8)
+    plan = chunk_plan(p, 8)
+    assert plan.replay_pos.numel() == plan.num_replay_tokens > 0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(p.num_tokens, 3, generator=g, requires_grad=True)
+    w = torch.randn(len(plan.gather_all), 3, generator=g)
+
+    def run(gather, owned):
+        y = gather(x)
+        z = owned(y * w)
+        (gx,) = torch.autograd.grad((z.sin().sum() + y.sum()), x)
+        return y.detach(), z.detach(), gx
+
+    got = run(lambda x: gather_rounds(x, plan), lambda o: owned_outputs(o, plan))
+    want = run(lambda x: x.index_select(0, plan.gather_all), lambda o: o.index_select(0, plan.out_index))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

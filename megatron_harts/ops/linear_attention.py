@@ -14,6 +14,7 @@ import torch
 
 from ..packing import TreePack
 from .chunk_torch import chunk_gated_delta_rule_torch, chunk_simple_gla_torch
+from .gather import gather_rounds, owned_outputs
 from .plan import ChunkPlan, ChunkRound, chunk_plan
 
 BACKENDS = ("auto", "torch", "fla")
@@ -34,14 +35,14 @@ def run_rounds(plan: ChunkPlan, inputs: list[torch.Tensor],
     """Execute ``plan``: gather ``inputs`` (compact ``[T, ...]``) for all rounds at once, call
     ``kernel(xs, round, initial_state, output_final_state) -> (o, final_state)`` per round on
     its slice, and read the owned outputs back in compact order."""
-    parts = [x.index_select(0, plan.gather_all).split(plan.round_sizes) for x in inputs]
+    parts = [gather_rounds(x, plan).split(plan.round_sizes) for x in inputs]
     outs, final = [], None
     last = len(plan.rounds) - 1
     for r, rd in enumerate(plan.rounds):
         init = None if rd.init_from is None else final.index_select(0, rd.init_from)
         o, final = kernel([p[r] for p in parts], rd, init, r < last)
         outs.append(o)
-    return torch.cat(outs).index_select(0, plan.out_index)
+    return owned_outputs(torch.cat(outs), plan)
 
 
 def _check(pack: TreePack, name: str, x: torch.Tensor, ndim: int):
@@ -72,9 +73,9 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
         if use_qk_l2norm_in_kernel:
             q, k = l2norm(q), l2norm(k)
         plan = chunk_plan(pack, chunk_size)
-        xs = [x.index_select(0, plan.gather_all).unsqueeze(0) for x in (q, k, v, g, beta)]
+        xs = [gather_rounds(x, plan).unsqueeze(0) for x in (q, k, v, g, beta)]
         o = TreeGatedDeltaRuleFla.apply(*xs, fused_rounds(pack, chunk_size), scale or q.shape[-1] ** -0.5)
-        return o[0].index_select(0, plan.out_index)
+        return owned_outputs(o[0], plan)
 
     def kernel(xs, rd, init, want_final):
         return chunk_gated_delta_rule_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,

@@ -49,13 +49,17 @@ class ChunkPlan:
     output (their backward is one scatter each, not one per round):
 
     gather_all: int64 ``[sum N_r]``, the rounds' ``gather`` concatenated (``round_sizes`` on the host);
-    out_index: int64 ``[T]``, where compact token u's owned output sits in ``cat(o_r)``.
+    out_index: int64 ``[T]``, where compact token u's owned output sits in ``cat(o_r)``;
+    replay_pos / replay_src: int64 ``[P]``, the other (replayed) positions of ``cat(o_r)`` and the
+    compact token each holds, so the gather's backward is a gather plus P accumulations.
     """
 
     rounds: list[ChunkRound]
     gather_all: torch.Tensor
     round_sizes: list[int]
     out_index: torch.Tensor
+    replay_pos: torch.Tensor
+    replay_src: torch.Tensor
     chunk_size: int
     num_sequences: int
     num_replay_tokens: int
@@ -165,8 +169,11 @@ def chunk_plan(pack: TreePack, chunk_size: int | None = None) -> ChunkPlan:
                              init_from=None if rd["init_from"] is None else t(rd["init_from"]),
                              keep=t(rd["keep"]))
                   for rd in h["rounds"]]
-        return ChunkPlan(rounds, t(h["gather_all"]), h["round_sizes"], t(h["out_index"]), C, h["num_sequences"],
-                         h["num_replay_tokens"])
+        owned = np.zeros(len(h["gather_all"]), dtype=bool)
+        owned[h["out_index"]] = True
+        replay_pos = np.flatnonzero(~owned)
+        return ChunkPlan(rounds, t(h["gather_all"]), h["round_sizes"], t(h["out_index"]), t(replay_pos),
+                         t(h["gather_all"][replay_pos]), C, h["num_sequences"], h["num_replay_tokens"])
 
     return pack.cached(("chunk_plan", C, str(pack.device)), device)
 
