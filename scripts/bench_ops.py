@@ -141,7 +141,8 @@ def render(rows: list[dict], out_dir: str, meta: dict) -> None:
     lines = ["# Tree ops vs trajectory-wise varlen calls (fwd+bwd)", "",
              f"Machine: {meta.get('device', '?')}; torch {meta.get('torch', '?')}; H={meta.get('heads')}, "
              f"K=V={meta.get('dim')}, bf16, chunk 64. Median of {meta.get('reps')} runs after warm-up. "
-             "Produced by `scripts/bench_ops.py`; raw numbers in `ops.json`.", "",
+             "Produced by `scripts/bench_ops.py`; raw numbers in `ops.json`.", ""] + \
+            [f"Note: {n}" for n in meta.get("notes", [])] + ["",
              "| op | traj tokens | compression | tree ms | traj ms | speedup | target 0.9c | rounds | replay | met |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
