@@ -1,18 +1,25 @@
-"""Check tree-packed training against the trajectory-wise baseline on a tiny Megatron model (CPU).
+"""Check tree-packed training against the trajectory-wise baseline on a Megatron model.
 
 ``python -m megatron_harts.verify --pattern 'G*-G-' --seed 0 [--trajectories FILE.jsonl]
-[--recompute] [--dtype fp32]`` builds a tiny fp32 ``HybridModel`` with ``tree_hybrid_stack_spec``
-through ``cpu_shim``, runs the same weights on ``pack_trajectories(trees)`` (every trajectory its
-own chain: THD packing) and on ``pack(trees)``, and prints one JSON line::
+[--recompute] [--device cpu|cuda] [--model tiny|1.5b]`` builds a ``HybridModel`` with
+``tree_hybrid_stack_spec``, runs the same weights on ``pack_trajectories(trees)`` (every
+trajectory its own chain: THD packing) and on ``pack(trees)``, and prints one JSON line::
 
     {"max_logprob_abs_diff", "loss_rel_diff", "max_grad_rel_diff", "worst_grad", "compression"}
+
+CPU (default): tiny fp32 model through ``cpu_shim``, torch backends, tolerances below. CUDA: bf16
+(``--model 1.5b``: the 1.48B ``HYBRID_1P5B`` preset with ``--pattern`` ignored), fla and
+FlexAttention; the baseline is run a second time on the trees in reverse order (other pack
+positions and reduction orders) and the JSON gains ``baseline_rerun`` with the same fields: the
+bf16 noise floor. Exit status 1 when a tree difference exceeds ``--noise-factor`` times the rerun's
+(log-probs and loss; gradients against the worst rerun gradient difference).
 
 The loss is ``sum_i <logprobs_i, w_i>`` with random weights. Exit status 1 when a difference
 exceeds ``--tol`` (``--decay-tol`` for the GDN ``A_log``/``dt_bias`` grads: ``[HV]`` sums over all
 tokens with heavy cancellation, whose fp32 noise reaches ~1e-4 relative, e.g. 1.2e-4 tree vs
 baseline and 3.5e-5 baseline chunk 32 vs 64 on the default batch with seed 1, while with the GDN
-core computed in fp64 the two layouts agree to 1e-7). Without
-``--trajectories`` a small synthetic agentic batch is used. Only fp32 on CPU for now.
+core computed in fp64 the two layouts agree to 1e-7). Without ``--trajectories`` a synthetic
+agentic batch is used (small on CPU; 4 groups x 8 samples of up to a few thousand tokens on CUDA).
 """
 from __future__ import annotations
 
@@ -46,13 +53,24 @@ def backward(model, logprobs: list[torch.Tensor], weights: list[torch.Tensor]):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def run_packed(model, trees, layout, weights, chunk_size: int):
+def run_packed(model, trees, layout, weights, chunk_size: int, device: str = "cpu"):
     """``model`` on ``layout(trees)`` (``pack`` or ``pack_trajectories``): per-trajectory log-probs
-    ``[L_i - 1]`` (detached), loss, grads."""
-    p = layout(trees, chunk_size=chunk_size)
+    ``[L_i - 1]`` (detached, fp32), loss, grads."""
+    p = layout(trees, chunk_size=chunk_size).to(device)
     logits = model(p.tokens[None], p.position_ids[None], None, packed_seq_params=tree_packed_seq_params(p))
-    lps = tree_token_logprobs(logits[0], p)      # logits [1, T, V]
-    return [lp.detach() for lp in lps], *backward(model, lps, weights)
+    lps = [lp.float() for lp in tree_token_logprobs(logits[0], p)]      # logits [1, T, V]
+    return [lp.detach() for lp in lps], *backward(model, lps, [w.to(device) for w in weights])
+
+
+def run_reversed(model, trees, layout, weights, chunk_size: int, device: str):
+    """:func:`run_packed` on the trees in reverse order, results mapped back to the original order."""
+    sizes = [len(t.records) for t in trees]
+    per_tree = lambda xs: [xs[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(trees))]
+    rev_w = [w for ws in per_tree(weights)[::-1] for w in ws]
+    lps, loss, grads = run_packed(model, trees[::-1], layout, rev_w, chunk_size, device)
+    rev_sizes = sizes[::-1]
+    chunks = [lps[sum(rev_sizes[:i]):sum(rev_sizes[:i + 1])] for i in range(len(trees))][::-1]
+    return [lp for c in chunks for lp in c], loss, grads
 
 
 def compare(got, want) -> dict:
@@ -73,11 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute", action="store_true", help="full activation recomputation, 1 layer per chunk")
     ap.add_argument("--num-moe-experts", type=int, help="experts of 'E' layers (tree router: "
                     "multiplicity-weighted aux losses)")
-    ap.add_argument("--dtype", choices=["fp32"], default="fp32")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: fp32 tiny model; cuda: bf16")
+    ap.add_argument("--model", choices=["tiny", "1.5b"], default="tiny", help="1.5b: HYBRID_1P5B (cuda only)")
+    ap.add_argument("--noise-factor", type=float, default=3.0, help="cuda: allowed multiple of the rerun's differences")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--decay-tol", type=float, default=5e-4)
     args = ap.parse_args(argv)
+    if args.model != "tiny" and args.device != "cuda":
+        ap.error("--model 1.5b needs --device cuda")
+    if args.device == "cuda":
+        return _main_cuda(args)
 
     if args.trajectories:
         trajs = read_jsonl(args.trajectories)
@@ -106,6 +130,35 @@ def main(argv: list[str] | None = None) -> int:
     decay_err = max((rel_diff(tree[2][n], base[2][n]) for n in base[2] if n.endswith(DECAY_PARAMS)), default=0.0)
     ok = (res["max_logprob_abs_diff"] <= args.tol * scale and res["loss_rel_diff"] <= args.tol
           and res["max_grad_rel_diff_non_decay"] <= args.tol and decay_err <= args.decay_tol)
+    return 0 if ok else 1
+
+
+def _main_cuda(args) -> int:
+    """bf16 tree vs baseline next to baseline vs its reversed-order rerun, on the current GPU."""
+    from .megatron.gpu import HYBRID_1P5B, build_gpu_hybrid_model, init_single_gpu
+
+    if args.trajectories:
+        trajs = read_jsonl(args.trajectories)
+    else:
+        trajs = agentic_batch(AgenticConfig(num_groups=4, group_size=8, vocab_size=32768, prompt_tokens=(500, 1500),
+                                            seed=args.seed))
+    trees = trees_from_trajectories(trajs)
+    vocab = max(32768, 1 + max(int(max(t.tokens)) for t in trajs))
+    g = torch.Generator().manual_seed(args.seed)
+    weights = [torch.randn(len(r) - 1, generator=g) for tree in trees for r in tree.records]
+    init_single_gpu(args.seed)
+    pattern, over = HYBRID_1P5B if args.model == "1.5b" else (args.pattern, dict(hidden_size=256))
+    over = dict(over, num_moe_experts=args.num_moe_experts, **(RECOMPUTE if args.recompute else {}))
+    model = build_gpu_hybrid_model(pattern, vocab, max(len(t.tokens) for t in trajs), **over)
+    base = run_packed(model, trees, pack_trajectories, weights, args.chunk_size, "cuda")
+    rerun = run_reversed(model, trees, pack_trajectories, weights, args.chunk_size, "cuda")
+    tree = run_packed(model, trees, pack, weights, args.chunk_size, "cuda")
+    res, noise = compare(tree, base), compare(rerun, base)
+    res.update(compression=pack(trees).compression, baseline_rerun=noise,
+               params=sum(p.numel() for p in model.parameters()))
+    print(json.dumps(res))
+    f = args.noise_factor
+    ok = all(res[k] <= f * max(noise[k], 1e-6) for k in ("max_logprob_abs_diff", "loss_rel_diff", "max_grad_rel_diff"))
     return 0 if ok else 1
 
 

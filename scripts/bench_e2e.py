@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_harts.megatron import tree_hybrid_stack_spec, tree_packed_seq_params  # noqa: E402
+from megatron_harts.megatron.gpu import HYBRID_1P5B, build_gpu_hybrid_model, init_single_gpu  # noqa: E402
 from megatron_harts.ops import chunk_plan, tree_token_logprobs  # noqa: E402
 from megatron_harts.packing import pack  # noqa: E402
 from megatron_harts.planner import plan  # noqa: E402
@@ -55,9 +56,7 @@ from megatron_harts import workloads as W  # noqa: E402
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 # name -> (pattern, config overrides); heads/dims of GDN and attention, MLP / MoE widths.
 MODELS = {
-    "dense": ("G-G-G-*-" * 6, dict(hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
-                                   num_query_groups=4, kv_channels=128, linear_key_head_dim=128,
-                                   linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16)),
+    "dense": HYBRID_1P5B,
     "moe": ("GEGEGE*E" * 3, dict(hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=8, num_query_groups=2,
                                  kv_channels=128, linear_key_head_dim=128, linear_value_head_dim=128,
                                  linear_num_key_heads=8, linear_num_value_heads=8, num_moe_experts=16,
@@ -134,25 +133,8 @@ def microbatches(trajs: list, side: str, args, cost_model, device, shuffle: int 
 
 # ------------------------------------------------------------------------------------------------ model
 
-def setup_gpu(seed: int) -> None:
-    """Megatron's normal 1-GPU init: NCCL process group, model-parallel groups, CUDA RNG tracker."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    torch.cuda.set_device(0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(seed)
-
-
 def build_model(name: str, recompute: bool, args, max_len: int):
     """HybridModel with ``tree_hybrid_stack_spec``; bf16 on CUDA, fp32 tiny through cpu_shim on CPU."""
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron_harts.megatron import cpu_shim
 
     pattern, over = (TINY if args.tiny else MODELS)[name]
@@ -164,12 +146,7 @@ def build_model(name: str, recompute: bool, args, max_len: int):
                                                 init_method_std=0.1, **over)
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     model_parallel_cuda_manual_seed(args.seed)
-    cfg = cpu_shim.tiny_hybrid_config(pattern, **over, params_dtype=torch.bfloat16, bf16=True,
-                                      use_cpu_initialization=False, init_method_std=0.02)
-    model = HybridModel(config=cfg, hybrid_stack_spec=tree_hybrid_stack_spec(cfg.num_moe_experts),
-                        vocab_size=args.vocab, max_sequence_length=max_len, hybrid_layer_pattern=pattern,
-                        position_embedding_type="rope", share_embeddings_and_output_weights=False)
-    return model.cuda(torch.cuda.current_device())  # local-spec norms are created on the host (as in get_model)
+    return build_gpu_hybrid_model(pattern, args.vocab, max_len, **over)
 
 
 def cost_model_for(name: str, args) -> CostModel:
@@ -444,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
             if hasattr(dynamo.config, k):
                 setattr(dynamo.config, k, 256)
-        setup_gpu(args.seed)
+        init_single_gpu(args.seed)
         ctx = contextlib.nullcontext()
     else:
         import torch._dynamo as dynamo

@@ -111,3 +111,18 @@ def test_trajectory_packed_equals_unpacked(models, case):
 def test_verify_cli(capsys):
     assert verify.main(["--pattern", "G*-G-", "--seed", "0"]) == 0
     assert '"max_grad_rel_diff"' in capsys.readouterr().out
+
+
+def test_verify_reversed_rerun_maps_back_to_the_original_order(models):
+    """``verify.run_reversed`` (the bf16 noise floor on CUDA): same results as ``run_packed`` in fp32,
+    with trees of different sizes so a wrong mapping would pair different trajectories."""
+    trees = [RolloutTree.from_trajectories(t) for t in _random_trees(5, num_trees=4)]
+    assert len({len(t.records) for t in trees}) > 1
+    ws = _weights(trees, seed=3)
+    with cpu_shim.cpu_megatron(seed=0):
+        base = run_packed(models["plain"], trees, pack_trajectories, ws)
+        rev = verify.run_reversed(models["plain"], trees, pack_trajectories, ws, C, "cpu")
+    assert [len(x) for x in rev[0]] == [len(x) for x in base[0]]
+    diff = verify.compare(rev, base)
+    assert diff["max_logprob_abs_diff"] < 1e-5 and diff["loss_rel_diff"] < TOL, diff
+    assert diff["max_grad_rel_diff_non_decay"] < TOL, diff
