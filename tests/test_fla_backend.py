@@ -56,17 +56,19 @@ def test_gated_delta_rule_fla_rounds_fused(case):
                     _inputs(p.num_tokens, 1, 2, 16, 16, seed=1))
 
 
-def test_gated_delta_rule_fla_many_rounds_l2norm_and_scale():
-    """Several trees per pack, >= 3 rounds, qk l2-norm in the kernel and an explicit scale."""
+def test_fla_many_rounds_l2norm_and_scale():
+    """Several trees per pack, >= 3 rounds (GDN with qk l2-norm in the kernel and an explicit scale;
+    simple GLA)."""
     base = list(range(4 * C))
     b1 = base[:C + 3] + [100 + i for i in range(2 * C)]
     nested = [base, b1, b1[:2 * C + 5] + [200 + i for i in range(C)], b1[:2 * C - 1] + [300, 301]]
     groups = [nested] + random_trees(3, C, vocab=3, num_trees=2, branches=(3, 6))
     p = pack([RolloutTree.from_trajectories(t) for t in groups], chunk_size=C).to(DEV)
     assert chunk_plan(p, C).num_rounds >= 3
+    x = _inputs(p.num_tokens, 2, 2, 16, 16, seed=2)
     _check_backends(lambda *x, backend: tree_gated_delta_rule(*x, p, chunk_size=C, scale=0.3, backend=backend,
-                                                              use_qk_l2norm_in_kernel=True),
-                    _inputs(p.num_tokens, 2, 2, 16, 16, seed=2))
+                                                              use_qk_l2norm_in_kernel=True), x)
+    _check_backends(lambda *x, backend: tree_simple_gla(*x, p, chunk_size=C, backend=backend), x[:4])
 
 
 @pytest.mark.parametrize("case", ["on_boundary", "ends_inside", "multi_root"])

@@ -68,7 +68,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
     if backend == "fla":
         from fla.modules.norm.l2norm import l2norm
 
-        from .gdn_fla import TreeGatedDeltaRuleFla, fused_rounds
+        from .fla_rounds import TreeGatedDeltaRuleFla, fused_rounds
 
         if use_qk_l2norm_in_kernel:
             q, k = l2norm(q), l2norm(k)
@@ -94,18 +94,15 @@ def tree_simple_gla(q, k, v, g, pack: TreePack, *, chunk_size: int = 64, scale: 
         _check(pack, name, x, nd)
     backend = resolve_backend(backend, q.device)
     plan = chunk_plan(pack, chunk_size)
+    if backend == "fla":
+        from .fla_rounds import TreeSimpleGLAFla, fused_rounds
 
-    if backend == "torch":
-        def kernel(xs, rd, init, want_final):
-            return chunk_simple_gla_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
-                                          scale=scale, initial_state=init, output_final_state=want_final)
-    else:
-        from fla.ops.simple_gla import chunk_simple_gla
+        xs = [gather_rounds(x, plan).unsqueeze(0) for x in (q, k, v, g)]
+        o = TreeSimpleGLAFla.apply(*xs, fused_rounds(pack, chunk_size), scale or q.shape[-1] ** -0.5)
+        return owned_outputs(o[0], plan)
 
-        def kernel(xs, rd, init, want_final):
-            o, fs = chunk_simple_gla(*(x.unsqueeze(0) for x in xs), scale=scale, initial_state=init,
-                                     output_final_state=want_final, cu_seqlens=rd.cu_seqlens,
-                                     cu_seqlens_cpu=rd.cu_seqlens_cpu)
-            return o.squeeze(0), (fs.float() if fs is not None else None)
+    def kernel(xs, rd, init, want_final):
+        return chunk_simple_gla_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
+                                      scale=scale, initial_state=init, output_final_state=want_final)
 
     return run_rounds(plan, [q, k, v, g], kernel)

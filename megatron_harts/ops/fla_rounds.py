@@ -1,11 +1,12 @@
-"""Tree gated delta rule on fla's kernels with the chunk-local work fused across rounds.
+"""Tree linear attention on fla's kernels with the chunk-local work fused across rounds.
 
-fla's chunked GDN splits into chunk-local kernels (gate cumsum, WY representation, output,
-and most of the backward) and two inter-chunk recurrences (``fwd_h`` forward, ``bwd_dhu``
-backward). Only the recurrences depend on a sequence's initial state, so a tree pack needs
-one call per round for them alone; every chunk-local kernel runs once over all rounds'
-sequences (one varlen layout, ``ChunkPlan.gather_all``). Per layer that is 2 + R recurrence
-launches forward and 2R backward instead of R full fla calls each way.
+fla's chunked GDN / simple GLA split into chunk-local kernels (gate cumsum, WY representation,
+output, most of the backward) and two inter-chunk recurrences (forward states, backward state
+gradients). Only the recurrences depend on a sequence's initial state, so a tree pack needs one
+call per round for them alone; every chunk-local kernel runs once over all rounds' sequences
+(one varlen layout, ``ChunkPlan.gather_all``). Per layer: R recurrence launches forward and 2R
+backward (the backward recomputes the states, as fla does) plus a fixed number of fused ones,
+instead of R full fla calls each way.
 
 States between rounds: round r's final states (fp32) are gathered by ``init_from`` into round
 r+1's initial states; backward scatter-adds the initial-state gradients (``dh0``) back into the
@@ -73,6 +74,17 @@ def fused_rounds(pack: TreePack, chunk_size: int) -> FusedRounds:
     return pack.cached(("fla_fused_rounds", chunk_size, str(pack.device)), build)
 
 
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-round ``[1, n_r, ...]`` tensors -> ``[1, sum n_r, ...]`` (the all-rounds layout)."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs, 1)
+
+
+def _prev_final_grad(fr: FusedRounds, r: int, dh0: torch.Tensor) -> torch.Tensor:
+    """Gradient of round r-1's final states from round r's initial-state gradient ``dh0``."""
+    n_prev = fr.rounds[r - 1].cu_seqlens.shape[0] - 1
+    return dh0.new_zeros((n_prev, *dh0.shape[1:])).index_add_(0, fr.init_from[r], dh0)
+
+
 def _round_states(k, w, u, gc, fr: FusedRounds, keep_inits: bool):
     """Run ``fwd_h`` round by round. Returns h ``[1, NT, HV, K, V]``, v_new like u, and the
     initial states each round started from (None for round 0)."""
@@ -90,8 +102,7 @@ def _round_states(k, w, u, gc, fr: FusedRounds, keep_inits: bool):
         hs.append(h)
         vs.append(v_new)
         inits.append(init if keep_inits else None)
-    cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)
-    return cat(hs), cat(vs), inits
+    return _cat(hs), _cat(vs), inits
 
 
 class TreeGatedDeltaRuleFla(torch.autograd.Function):
@@ -145,10 +156,8 @@ class TreeGatedDeltaRuleFla(torch.autograd.Function):
                     dht=dht, scale=scale, cu_seqlens=vc.cu_seqlens, chunk_size=C,
                     chunk_indices=vc.chunk_indices, chunk_offsets=vc.chunk_offsets)
                 if r > 0:
-                    n_prev = fr.rounds[r - 1].cu_seqlens.shape[0] - 1
-                    dht = dh0.new_zeros((n_prev, *dh0.shape[1:])).index_add_(0, fr.init_from[r], dh0)
-            cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, 1)
-            dh, dv = cat(dhs), cat(dvs)
+                    dht = _prev_final_grad(fr, r, dh0)
+            dh, dv = _cat(dhs), _cat(dvs)
             dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=gc, h=h, dv=dv, do=do, dh=dh, scale=scale,
                                              cu_seqlens=a.cu_seqlens, chunk_indices=a.chunk_indices, chunk_size=C)
             dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=gc, A=A, dw=dw, du=dv,
@@ -159,3 +168,72 @@ class TreeGatedDeltaRuleFla(torch.autograd.Function):
                                     chunk_indices=a.chunk_indices)
         return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), None, None
 
+
+
+def _simple_gla_states(k, v, gc, fr: FusedRounds, fp32: bool, keep_inits: bool):
+    """fla ``chunk_fwd_h`` round by round: h ``[1, NT, H, K, V]`` and each round's initial states."""
+    from fla.ops.common.chunk_h import chunk_fwd_h
+
+    hs, inits, final = [], [], None
+    last = len(fr.rounds) - 1
+    for r, vc in enumerate(fr.rounds):
+        sl = slice(vc.start, vc.stop)
+        init = None if r == 0 else final.index_select(0, fr.init_from[r])
+        h, final = chunk_fwd_h(k=k[:, sl], v=v[:, sl], g=gc[:, sl], h0=init, output_final_state=r < last,
+                               cu_seqlens=vc.cu_seqlens, chunk_size=fr.chunk_size, states_in_fp32=fp32)
+        hs.append(h)
+        inits.append(init if keep_inits else None)
+    return _cat(hs), inits
+
+
+class TreeSimpleGLAFla(torch.autograd.Function):
+    """q, k ``[1, N, H, K]``, v ``[1, N, H, V]``, g ``[1, N, H]`` in the all-rounds layout -> o
+    ``[1, N, H, V]`` (fla ``chunk_simple_gla`` with the rounds' state handoffs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, fr: FusedRounds, scale: float):
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+
+        q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+        a, C = fr.all, fr.chunk_size
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            gc = chunk_local_cumsum(g, chunk_size=C, scale=RCP_LN2, cu_seqlens=a.cu_seqlens,
+                                    chunk_indices=a.chunk_indices)
+            h, _ = _simple_gla_states(k, v, gc, fr, fp32=False, keep_inits=False)
+            o = chunk_fwd_o(q=q, k=k, v=v, g=gc, h=h, scale=scale, cu_seqlens=a.cu_seqlens, chunk_size=C,
+                            chunk_indices=a.chunk_indices)
+        ctx.save_for_backward(q, k, v, gc)
+        ctx.fr, ctx.scale, ctx.g_dtype = fr, scale, g.dtype
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        from fla.ops.common.chunk_h import chunk_bwd_dh
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
+        from fla.ops.utils import chunk_local_cumsum
+
+        q, k, v, gc = ctx.saved_tensors
+        fr, scale = ctx.fr, ctx.scale
+        a, C = fr.all, fr.chunk_size
+        do = do.contiguous()
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            h, inits = _simple_gla_states(k, v, gc, fr, fp32=True, keep_inits=True)
+            dhs, dht = [None] * len(fr.rounds), None
+            for r in reversed(range(len(fr.rounds))):
+                vc = fr.rounds[r]
+                sl = slice(vc.start, vc.stop)
+                dhs[r], dh0 = chunk_bwd_dh(q=q[:, sl], k=k[:, sl], v=v[:, sl], do=do[:, sl], h0=inits[r], dht=dht,
+                                           scale=scale, g=gc[:, sl], cu_seqlens=vc.cu_seqlens, chunk_size=C,
+                                           states_in_fp32=True)
+                if r > 0:
+                    dht = _prev_final_grad(fr, r, dh0)
+            dh = _cat(dhs)
+            dq, dk, _, dg = chunk_bwd_dqkwg(q=q, k=k, v=v, g=gc, h=h, do=do, dh=dh, scale=scale,
+                                            cu_seqlens=a.cu_seqlens, chunk_size=C, chunk_indices=a.chunk_indices)
+            dv = chunk_bwd_dv(q=q, k=k, g=gc, do=do, dh=dh, scale=scale, cu_seqlens=a.cu_seqlens, chunk_size=C,
+                              chunk_indices=a.chunk_indices)
+            dg = chunk_local_cumsum(dg, chunk_size=C, reverse=True, cu_seqlens=a.cu_seqlens,
+                                    chunk_indices=a.chunk_indices)
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), None, None
