@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_harts.megatron import tree_hybrid_stack_spec, tree_packed_seq_params  # noqa: E402
 from megatron_harts.megatron.gpu import HYBRID_1P5B, build_gpu_hybrid_model, init_single_gpu  # noqa: E402
 from megatron_harts.ops import chunk_plan, tree_token_logprobs  # noqa: E402
+from megatron_harts.ops.fla_autotune import save_fla_autotune  # noqa: E402
 from megatron_harts.packing import pack  # noqa: E402
 from megatron_harts.planner import plan  # noqa: E402
 from megatron_harts.planner.cost import CostModel  # noqa: E402
@@ -394,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per side and row")
     ap.add_argument("--no-rerun", dest="rerun", action="store_false", help="skip the baseline rerun")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--save-fla-configs", metavar="DIR", help="write fla autotuning results there after each step "
+                    "(reuse: FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=DIR)")
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args(argv)
     if args.watchdog:
@@ -456,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             with open(path, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            if args.save_fla_configs:
+                save_fla_autotune(args.save_fla_configs)
             print(f"[e2e] {m} {wl} recompute={rc}: compression {row['compression']:.2f} speedup "
                   f"{row['speedup']:.2f} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     print("\n".join(table(rows)))

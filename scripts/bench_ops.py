@@ -181,6 +181,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default="", help="ops to profile (torch.profiler tables profile_*.txt in --out)")
     ap.add_argument("--plot", metavar="JSON", help="render ops.md/ops.png from a results JSON and exit")
+    ap.add_argument("--save-fla-configs", metavar="DIR", help="write fla autotuning results there after each step "
+                    "(reuse: FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=DIR)")
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args()
     if args.watchdog:
@@ -201,6 +203,9 @@ def main():
             rows += bench_case(total, c, args)
             with open(path, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            if args.save_fla_configs:
+                from megatron_harts.ops.fla_autotune import save_fla_autotune
+                save_fla_autotune(args.save_fla_configs)
     print(f"\n{'op':<10} {'tokens':>7} {'compr':>6} {'tree ms':>9} {'traj ms':>9} {'speedup':>8} {'target':>7}")
     for r in rows:
         print(f"{r['op']:<10} {r['trajectory_tokens']:>7} {r['compression']:>6.2f} {r['tree_ms']:>9.2f} "

@@ -24,6 +24,7 @@ from trees import corner_cases  # noqa: E402
 
 from megatron_harts.ops import (node_logprobs, tree_attention, tree_causal_conv1d,  # noqa: E402
                                 tree_gated_delta_rule, tree_simple_gla)
+from megatron_harts.ops.fla_autotune import save_fla_autotune  # noqa: E402
 from megatron_harts.packing import pack, pack_trajectories  # noqa: E402
 from megatron_harts.tree import RolloutTree  # noqa: E402
 from megatron_harts.workloads import sweep_trees  # noqa: E402
@@ -76,10 +77,12 @@ def run_case(inputs, per_token, tree_fn, traj_fn, ref_fn, p, seed=0, keep_fp32=(
     return out
 
 
-def save(out_dir, report):
+def save(out_dir, report, fla_dir=None):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "ops_check.json"), "w") as f:
         json.dump(report, f, indent=1)
+    if fla_dir:
+        save_fla_autotune(fla_dir)
 
 
 def main():
@@ -88,6 +91,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--ops", default="gdn,simple_gla,conv,attention,logprobs")
+    ap.add_argument("--save-fla-configs", metavar="DIR", help="write fla autotuning results there after each step "
+                    "(reuse: FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=DIR)")
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args()
     if args.watchdog:
@@ -152,8 +157,8 @@ def main():
         log(name)
         make, per_token, tree_fn, traj_fn, ref_fn, keep = cases[name]
         report[name] = run_case(make(), per_token, tree_fn, traj_fn, ref_fn, p, keep_fp32=keep)
-        save(args.out, report)
-    save(args.out, report)
+        save(args.out, report, args.save_fla_configs)
+    save(args.out, report, args.save_fla_configs)
     print(f"{'op':<11} {'path':<5} {'out abs':>9} {'out rel':>9} {'worst grad rel':>15} nan")
     for op in ("gdn", "simple_gla", "conv", "attention", "logprobs"):
         for label in ("tree", "traj") if op in report else ():

@@ -84,3 +84,27 @@ def test_causal_conv1d_fla(case):
     g = torch.Generator().manual_seed(4)
     x, w, b = (torch.randn(*s, generator=g).to(DEV) for s in ((p.num_tokens, 8), (8, 4), (8,)))
     _check_backends(lambda *a, backend: tree_causal_conv1d(*a, p, activation="silu", backend=backend), [x, w, b])
+
+
+def test_save_fla_autotune_writes_entries_fla_can_look_up(tmp_path, monkeypatch):
+    """Every tuned (kernel, key) lands in ``{kernel}.json`` under the hash fla looks up. The
+    interpreter keeps one config per kernel and so never tunes: two kernels get a tuning result
+    the way Triton records one (``cache[key] = best config``, key = key args + arg dtypes)."""
+    import gc
+    import json
+
+    from fla.ops.utils.cache import AutotuneKey, CachedAutotuner, KernelConfigFile
+
+    from megatron_harts.ops.fla_autotune import save_fla_autotune
+
+    tuners = {t.kernel_name: t for t in gc.get_objects() if isinstance(t, CachedAutotuner)}
+    tuned = {"chunk_gated_delta_rule_fwd_kernel_h_blockdim64": (16, 128, 128, "torch.bfloat16", "torch.float32"),
+             "chunk_local_cumsum_scalar_kernel": (4096, 16, "torch.float32")}
+    for name, key in tuned.items():
+        monkeypatch.setattr(tuners[name], "cache", {key: tuners[name].configs[0]})
+    assert save_fla_autotune(str(tmp_path)) >= 2
+    for name, key in tuned.items():
+        path = tmp_path / f"{name}.json"
+        entry = KernelConfigFile.from_dict(path, json.loads(path.read_text())).lookup_exact(AutotuneKey(key))
+        assert entry is not None and entry["config"]["kwargs"] == tuners[name].configs[0].kwargs, name
+        assert entry["config"]["num_warps"] == tuners[name].configs[0].num_warps

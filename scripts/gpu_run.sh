@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU benchmark step with fla's saved autotuning (configs/fla/<GPU>) reused and extended.
+#   scripts/gpu_run.sh STEP [extra args]      STEP: check | ops | e2e-swe | e2e-tau | e2e-sweep | e2e-moe
+#                                                   | e2e-norc | verify | calibrate
+# Results go to $OUT (default ./out); the tuned configs are also packed into $OUT/fla_configs.tgz
+# (unpack into configs/fla/<GPU> and commit, so the next fresh machine skips autotuning).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1])")
+CFG=/tmp/fla_configs
+mkdir -p "$CFG"
+[ -d "configs/fla/$GPU" ] && cp -n "configs/fla/$GPU"/*.json "$CFG"/ 2>/dev/null || true
+export FLA_CACHE_MODE=${FLA_CACHE_MODE:-fuzzy} FLA_CONFIG_DIR=$CFG TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
+step=${1:?STEP}; shift
+save=(--save-fla-configs "$CFG")
+rc=0
+case "$step" in
+  check)     python3 scripts/gpu_check_ops.py --out "$OUT" "${save[@]}" "$@" ;;
+  ops)       python3 scripts/bench_ops.py --out "$OUT" "${save[@]}" "$@" ;;
+  e2e-swe)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_swe.json --models dense --workloads swe --recompute on "${save[@]}" "$@" ;;
+  e2e-tau)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_tau.json --models dense --workloads tau --recompute on "${save[@]}" "$@" ;;
+  e2e-sweep) python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_sweep.json --models dense --workloads sweep --recompute on "${save[@]}" "$@" ;;
+  e2e-moe)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_moe.json --models moe --workloads swe,tau --recompute on "${save[@]}" "$@" ;;
+  e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_norc.json --models dense --workloads swe,tau --recompute off "${save[@]}" "$@" ;;
+  verify)    python3 -m megatron_harts.verify --device cuda --model 1.5b "$@" | tee "$OUT/verify_1p5b.json" ;;
+  calibrate) python3 scripts/calibrate_cost.py --out "$OUT/cost_model.json" "$@" ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac || rc=$?
+tar czf "$OUT/fla_configs.tgz" -C "$CFG" . 2>/dev/null || true
+exit $rc
