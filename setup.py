@@ -15,7 +15,7 @@ setup(
         "megatron-core>=0.19,<0.20",
         "fla-core>=0.6,<0.7",
         "flash-linear-attention>=0.6,<0.7",
-        "triton>=3.2; platform_system == 'Linux'",
+        "triton>=3.7.1; platform_system == 'Linux'",  # fla 0.6 refuses 3.4-3.7.0 on Hopper (wrong grads)
         "numpy>=1.26",
         "tqdm>=4.60",
     ],

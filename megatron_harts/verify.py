@@ -12,7 +12,8 @@ CPU (default): tiny fp32 model through ``cpu_shim``, torch backends, tolerances 
 FlexAttention; the baseline is run a second time on the trees in reverse order (other pack
 positions and reduction orders) and the JSON gains ``baseline_rerun`` with the same fields: the
 bf16 noise floor. Exit status 1 when a tree difference exceeds ``--noise-factor`` times the rerun's
-(log-probs and loss; gradients against the worst rerun gradient difference).
+(log-probs and loss; gradients against the worst rerun gradient difference), each floored by
+``BF16_FLOOR``.
 
 The loss is ``sum_i <logprobs_i, w_i>`` with random weights. Exit status 1 when a difference
 exceeds ``--tol`` (``--decay-tol`` for the GDN ``A_log``/``dt_bias`` grads: ``[HV]`` sums over all
@@ -39,6 +40,9 @@ from .workloads import AgenticConfig, agentic_batch
 
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 DECAY_PARAMS = ("A_log", "dt_bias")
+# CUDA check: the reversed rerun keeps the token count (same GEMM shapes), so it can underestimate
+# bf16 noise (down to 0 without attention layers); differences below these floors always pass.
+BF16_FLOOR = {"max_logprob_abs_diff": 1e-2, "loss_rel_diff": 1e-3, "max_grad_rel_diff": 1e-2}
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -160,7 +164,7 @@ def _main_cuda(args) -> int:
                params=sum(p.numel() for p in model.parameters()))
     print(json.dumps(res))
     f = args.noise_factor
-    ok = all(res[k] <= f * max(noise[k], 1e-6) for k in ("max_logprob_abs_diff", "loss_rel_diff", "max_grad_rel_diff"))
+    ok = all(res[k] <= f * max(noise[k], BF16_FLOOR[k]) for k in BF16_FLOOR)
     return 0 if ok else 1
 
 

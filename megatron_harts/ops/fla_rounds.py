@@ -128,7 +128,7 @@ class TreeGatedDeltaRuleFla(torch.autograd.Function):
                             chunk_indices=a.chunk_indices, chunk_size=C)
         ctx.save_for_backward(q, k, v, gc, beta, A)
         ctx.fr, ctx.scale, ctx.g_dtype = fr, scale, g.dtype
-        return o.to(q.dtype)
+        return o.to(v.dtype)
 
     @staticmethod
     def backward(ctx, do):
@@ -206,7 +206,7 @@ class TreeSimpleGLAFla(torch.autograd.Function):
                             chunk_indices=a.chunk_indices)
         ctx.save_for_backward(q, k, v, gc)
         ctx.fr, ctx.scale, ctx.g_dtype = fr, scale, g.dtype
-        return o.to(q.dtype)
+        return o.to(v.dtype)
 
     @staticmethod
     def backward(ctx, do):

@@ -74,7 +74,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
             q, k = l2norm(q), l2norm(k)
         plan = chunk_plan(pack, chunk_size)
         xs = [gather_rounds(x, plan).unsqueeze(0) for x in (q, k, v, g, beta)]
-        o = TreeGatedDeltaRuleFla.apply(*xs, fused_rounds(pack, chunk_size), scale or q.shape[-1] ** -0.5)
+        o = TreeGatedDeltaRuleFla.apply(*xs, fused_rounds(pack, chunk_size), q.shape[-1] ** -0.5 if scale is None else scale)
         return owned_outputs(o[0], plan)
 
     def kernel(xs, rd, init, want_final):
@@ -98,7 +98,7 @@ def tree_simple_gla(q, k, v, g, pack: TreePack, *, chunk_size: int = 64, scale: 
         from .fla_rounds import TreeSimpleGLAFla, fused_rounds
 
         xs = [gather_rounds(x, plan).unsqueeze(0) for x in (q, k, v, g)]
-        o = TreeSimpleGLAFla.apply(*xs, fused_rounds(pack, chunk_size), scale or q.shape[-1] ** -0.5)
+        o = TreeSimpleGLAFla.apply(*xs, fused_rounds(pack, chunk_size), q.shape[-1] ** -0.5 if scale is None else scale)
         return owned_outputs(o[0], plan)
 
     def kernel(xs, rd, init, want_final):

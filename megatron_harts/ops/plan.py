@@ -50,8 +50,9 @@ class ChunkPlan:
 
     gather_all: int64 ``[sum N_r]``, the rounds' ``gather`` concatenated (``round_sizes`` on the host);
     out_index: int64 ``[T]``, where compact token u's owned output sits in ``cat(o_r)``;
-    replay_pos / replay_src: int64 ``[P]``, the other (replayed) positions of ``cat(o_r)`` and the
-    compact token each holds, so the gather's backward is a gather plus P accumulations.
+    replay_pos: int64 ``[P]``, the other (replayed) positions of ``cat(o_r)``; replay_rows: int64
+    ``[U]``, the distinct compact tokens they hold, and replay_slot ``[P]`` which of those each holds;
+    so the gather's backward is a gather plus P accumulations into U rows.
     """
 
     rounds: list[ChunkRound]
@@ -59,7 +60,8 @@ class ChunkPlan:
     round_sizes: list[int]
     out_index: torch.Tensor
     replay_pos: torch.Tensor
-    replay_src: torch.Tensor
+    replay_rows: torch.Tensor
+    replay_slot: torch.Tensor
     chunk_size: int
     num_sequences: int
     num_replay_tokens: int
@@ -172,8 +174,9 @@ def chunk_plan(pack: TreePack, chunk_size: int | None = None) -> ChunkPlan:
         owned = np.zeros(len(h["gather_all"]), dtype=bool)
         owned[h["out_index"]] = True
         replay_pos = np.flatnonzero(~owned)
-        return ChunkPlan(rounds, t(h["gather_all"]), h["round_sizes"], t(h["out_index"]), t(replay_pos),
-                         t(h["gather_all"][replay_pos]), C, h["num_sequences"], h["num_replay_tokens"])
+        rows, slot = np.unique(h["gather_all"][replay_pos], return_inverse=True)
+        return ChunkPlan(rounds, t(h["gather_all"]), h["round_sizes"], t(h["out_index"]), t(replay_pos), t(rows),
+                         t(slot.astype(np.int64)), C, h["num_sequences"], h["num_replay_tokens"])
 
     return pack.cached(("chunk_plan", C, str(pack.device)), device)
 
