@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_harts.megatron import tree_hybrid_stack_spec, tree_packed_seq_params  # noqa: E402
 from megatron_harts.megatron.gpu import HYBRID_1P5B, build_gpu_hybrid_model, init_single_gpu  # noqa: E402
 from megatron_harts.ops import chunk_plan, tree_token_logprobs  # noqa: E402
-from megatron_harts.ops.fla_autotune import save_fla_autotune  # noqa: E402
+from megatron_harts.ops.fla_autotune import add_save_fla_configs_arg, save_fla_autotune  # noqa: E402
 from megatron_harts.packing import pack  # noqa: E402
 from megatron_harts.planner import plan  # noqa: E402
 from megatron_harts.planner.cost import CostModel  # noqa: E402
@@ -395,8 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per side and row")
     ap.add_argument("--no-rerun", dest="rerun", action="store_false", help="skip the baseline rerun")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--save-fla-configs", metavar="DIR", help="write fla autotuning results there after each step "
-                    "(reuse: FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=DIR)")
+    add_save_fla_configs_arg(ap)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args(argv)
     if args.watchdog:

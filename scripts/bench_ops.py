@@ -104,7 +104,8 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
         record(op, tree_ms, traj_ms)
         if op in args.profile:
             for side, fn, leaves in (("tree", tree_fn, tl), ("traj", traj_fn, jl)):
-                profile(lambda: fn(*leaves), os.path.join(args.out, f"profile_{op}_{N // 1024}k_{N / T:.0f}x_{side}.txt"))
+                name = f"profile_{op}_{N // 1024}k_{N / T:.0f}x_{side}.txt"
+                profile(lambda: fn(*leaves), os.path.join(args.out, name))
 
     gdn_in = lambda: [F.normalize(torch.randn(T, H, K, device=dev), dim=-1),
                       F.normalize(torch.randn(T, H, K, device=dev), dim=-1), torch.randn(T, H, K, device=dev),
@@ -170,6 +171,8 @@ def render(rows: list[dict], out_dir: str, meta: dict) -> None:
 
 
 def main():
+    from megatron_harts.ops.fla_autotune import add_save_fla_configs_arg, save_fla_autotune
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sizes", default="32768,131072,262144")
@@ -181,8 +184,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default="", help="ops to profile (torch.profiler tables profile_*.txt in --out)")
     ap.add_argument("--plot", metavar="JSON", help="render ops.md/ops.png from a results JSON and exit")
-    ap.add_argument("--save-fla-configs", metavar="DIR", help="write fla autotuning results there after each step "
-                    "(reuse: FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=DIR)")
+    add_save_fla_configs_arg(ap)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args()
     if args.watchdog:
@@ -204,7 +206,6 @@ def main():
             with open(path, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
             if args.save_fla_configs:
-                from megatron_harts.ops.fla_autotune import save_fla_autotune
                 save_fla_autotune(args.save_fla_configs)
     print(f"\n{'op':<10} {'tokens':>7} {'compr':>6} {'tree ms':>9} {'traj ms':>9} {'speedup':>8} {'target':>7}")
     for r in rows:

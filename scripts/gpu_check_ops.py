@@ -24,7 +24,7 @@ from trees import corner_cases  # noqa: E402
 
 from megatron_harts.ops import (node_logprobs, tree_attention, tree_causal_conv1d,  # noqa: E402
                                 tree_gated_delta_rule, tree_simple_gla)
-from megatron_harts.ops.fla_autotune import save_fla_autotune  # noqa: E402
+from megatron_harts.ops.fla_autotune import add_save_fla_configs_arg, save_fla_autotune  # noqa: E402
 from megatron_harts.packing import pack, pack_trajectories  # noqa: E402
 from megatron_harts.tree import RolloutTree  # noqa: E402
 from megatron_harts.workloads import sweep_trees  # noqa: E402
@@ -91,8 +91,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--ops", default="gdn,simple_gla,conv,attention,logprobs")
-    ap.add_argument("--save-fla-configs", metavar="DIR", help="write fla autotuning results there after each step "
-                    "(reuse: FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=DIR)")
+    add_save_fla_configs_arg(ap)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args()
     if args.watchdog:

@@ -18,6 +18,12 @@ import os
 log = logging.getLogger(__name__)
 
 
+def add_save_fla_configs_arg(parser) -> None:
+    """``--save-fla-configs DIR`` for the GPU scripts (they call :func:`save_fla_autotune` after each step)."""
+    parser.add_argument("--save-fla-configs", metavar="DIR", help="write fla autotuning results there after each "
+                        "step (reuse: FLA_CACHE_MODE=fuzzy FLA_CONFIG_DIR=DIR)")
+
+
 def _config_dict(cfg) -> dict:
     return {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             "num_ctas": cfg.num_ctas, "maxnreg": cfg.maxnreg}

@@ -45,6 +45,17 @@ def run_rounds(plan: ChunkPlan, inputs: list[torch.Tensor],
     return owned_outputs(torch.cat(outs), plan)
 
 
+def _run_fused(fn, inputs: list[torch.Tensor], pack: TreePack, chunk_size: int, scale: float | None):
+    """An ``ops.fla_rounds`` Function on ``inputs`` (compact ``[T, ...]``, q first) gathered into
+    the all-rounds layout; returns the owned outputs in compact order."""
+    from .fla_rounds import fused_rounds
+
+    plan = chunk_plan(pack, chunk_size)
+    xs = [gather_rounds(x, plan).unsqueeze(0) for x in inputs]
+    o = fn.apply(*xs, fused_rounds(pack, chunk_size), inputs[0].shape[-1] ** -0.5 if scale is None else scale)
+    return owned_outputs(o[0], plan)
+
+
 def _check(pack: TreePack, name: str, x: torch.Tensor, ndim: int):
     if x.dim() != ndim or x.shape[0] != pack.num_tokens:
         raise ValueError(f"{name}: expected {ndim} dims with {pack.num_tokens} compact tokens first, "
@@ -68,14 +79,11 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
     if backend == "fla":
         from fla.modules.norm.l2norm import l2norm
 
-        from .fla_rounds import TreeGatedDeltaRuleFla, fused_rounds
+        from .fla_rounds import TreeGatedDeltaRuleFla
 
         if use_qk_l2norm_in_kernel:
             q, k = l2norm(q), l2norm(k)
-        plan = chunk_plan(pack, chunk_size)
-        xs = [gather_rounds(x, plan).unsqueeze(0) for x in (q, k, v, g, beta)]
-        o = TreeGatedDeltaRuleFla.apply(*xs, fused_rounds(pack, chunk_size), q.shape[-1] ** -0.5 if scale is None else scale)
-        return owned_outputs(o[0], plan)
+        return _run_fused(TreeGatedDeltaRuleFla, [q, k, v, g, beta], pack, chunk_size, scale)
 
     def kernel(xs, rd, init, want_final):
         return chunk_gated_delta_rule_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
@@ -93,16 +101,13 @@ def tree_simple_gla(q, k, v, g, pack: TreePack, *, chunk_size: int = 64, scale: 
     for name, x, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2)):
         _check(pack, name, x, nd)
     backend = resolve_backend(backend, q.device)
-    plan = chunk_plan(pack, chunk_size)
     if backend == "fla":
-        from .fla_rounds import TreeSimpleGLAFla, fused_rounds
+        from .fla_rounds import TreeSimpleGLAFla
 
-        xs = [gather_rounds(x, plan).unsqueeze(0) for x in (q, k, v, g)]
-        o = TreeSimpleGLAFla.apply(*xs, fused_rounds(pack, chunk_size), q.shape[-1] ** -0.5 if scale is None else scale)
-        return owned_outputs(o[0], plan)
+        return _run_fused(TreeSimpleGLAFla, [q, k, v, g], pack, chunk_size, scale)
 
     def kernel(xs, rd, init, want_final):
         return chunk_simple_gla_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
                                       scale=scale, initial_state=init, output_final_state=want_final)
 
-    return run_rounds(plan, [q, k, v, g], kernel)
+    return run_rounds(chunk_plan(pack, chunk_size), [q, k, v, g], kernel)
