@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import gc
 import json
 import os
 import random
@@ -337,7 +338,7 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def render(rows: list[dict], metas: list[dict], out_dir: str) -> None:
+def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict] = ()) -> None:
     """``e2e.md`` (table) + ``e2e.png`` (speedup vs compression, ideal and 0.9x lines)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -366,6 +367,8 @@ def render(rows: list[dict], metas: list[dict], out_dir: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "e2e.png"), dpi=120)
+    lines += [f"Not measured: {f['model']} {f['workload']} recompute {'on' if f['recompute'] else 'off'} "
+              f"(out of memory at microbatch capacity {f['capacity']} tokens)." for f in failed]
     lines += ["", "![speedup vs compression](e2e.png)", ""]
     with open(os.path.join(out_dir, "e2e.md"), "w") as f:
         f.write("\n".join(lines))
@@ -402,13 +405,14 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
     os.makedirs(args.out, exist_ok=True)
     if args.plot:
-        rows, metas = [], []
+        rows, metas, failed = [], [], []
         for path in args.plot:
             with open(path) as f:
                 d = json.load(f)
             rows += d["rows"]
+            failed += d.get("failed", [])
             metas.append(d["meta"])
-        render(rows, metas, args.out)
+        render(rows, metas, args.out, failed)
         print("\n".join(table(rows)))
         return 0
     if args.tiny:
@@ -435,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                 vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv)
     data = {wl: workload(wl, args) for wl in wls}
     max_len = max([len(t) for ts in data.values() for t in ts] + [args.pad_multiple])   # RoPE table (pad chain too)
-    rows, path = [], os.path.join(args.out, args.name)
+    rows, failed, path = [], [], os.path.join(args.out, args.name)
     try:
         from tqdm import tqdm
     except ImportError:
@@ -453,11 +457,23 @@ def main(argv: list[str] | None = None) -> int:
                 meta.setdefault("params", {})[m] = sum(p.numel() for p in model.parameters())
             meta["capacity"] = cap
             t0 = time.perf_counter()
-            row = bench_row(model, m, rc, wl, data[wl], args_c, device)
+            try:
+                row = bench_row(model, m, rc, wl, data[wl], args_c, device)
+            except torch.cuda.OutOfMemoryError as e:     # recorded (e.g. no recomputation), next row runs
+                msg = str(e).splitlines()[0]
+                del e
+                model.zero_grad(set_to_none=True)
+                gc.collect()
+                reset_peak(device)
+                failed.append(dict(model=m, workload=wl, recompute=rc, capacity=cap, error=msg))
+                print(f"[e2e] {m} {wl} recompute={rc}: out of memory at capacity {cap}", file=sys.stderr, flush=True)
+                with open(path, "w") as f:
+                    json.dump({"meta": meta, "rows": rows, "failed": failed}, f, indent=1)
+                continue
             row.update(capacity=cap, wall_s=time.perf_counter() - t0)
             rows.append(row)
             with open(path, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                json.dump({"meta": meta, "rows": rows, "failed": failed}, f, indent=1)
             if args.save_fla_configs:
                 save_fla_autotune(args.save_fla_configs)
             print(f"[e2e] {m} {wl} recompute={rc}: compression {row['compression']:.2f} speedup "
