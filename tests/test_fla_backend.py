@@ -86,12 +86,17 @@ def test_causal_conv1d_fla(case):
     _check_backends(lambda *a, backend: tree_causal_conv1d(*a, p, activation="silu", backend=backend), [x, w, b])
 
 
+class _Target:
+    pass
+
+
 def test_save_fla_autotune_writes_entries_fla_can_look_up(tmp_path, monkeypatch):
     """Every tuned (kernel, key) lands in ``{kernel}.json`` under the hash fla looks up. The
     interpreter keeps one config per kernel and so never tunes: two kernels get a tuning result
     the way Triton records one (``cache[key] = best config``, key = key args + arg dtypes)."""
     import gc
     import json
+    import weakref
 
     from fla.ops.utils.cache import AutotuneKey, CachedAutotuner, KernelConfigFile
 
@@ -102,7 +107,9 @@ def test_save_fla_autotune_writes_entries_fla_can_look_up(tmp_path, monkeypatch)
              "chunk_local_cumsum_scalar_kernel": (4096, 16, "torch.float32")}
     for name, key in tuned.items():
         monkeypatch.setattr(tuners[name], "cache", {key: tuners[name].configs[0]})
+    dead = [weakref.proxy(_Target())]         # gc-tracked dead proxy (isinstance on it raises ReferenceError)
     assert save_fla_autotune(str(tmp_path)) >= 2
+    assert dead
     for name, key in tuned.items():
         path = tmp_path / f"{name}.json"
         entry = KernelConfigFile.from_dict(path, json.loads(path.read_text())).lookup_exact(AutotuneKey(key))

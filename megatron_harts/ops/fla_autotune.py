@@ -29,6 +29,19 @@ def _config_dict(cfg) -> dict:
             "num_ctas": cfg.num_ctas, "maxnreg": cfg.maxnreg}
 
 
+def _live_instances(cls) -> list:
+    """Objects of ``cls`` tracked by the garbage collector (dead weak proxies among them, e.g.
+    Megatron's, raise ``ReferenceError`` on ``isinstance`` and are skipped)."""
+    out = []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, cls):
+                out.append(o)
+        except ReferenceError:
+            continue
+    return out
+
+
 def save_fla_autotune(out_dir: str) -> int:
     """Write the best config of every (fla kernel, tuning key) tuned in this process into
     ``out_dir/{kernel}.json`` (fla's ``autotune_entries`` format). Returns the number of entries."""
@@ -36,7 +49,7 @@ def save_fla_autotune(out_dir: str) -> int:
 
     os.makedirs(out_dir, exist_ok=True)
     n = 0
-    for tuner in (o for o in gc.get_objects() if isinstance(o, CachedAutotuner)):
+    for tuner in _live_instances(CachedAutotuner):
         if not tuner.cache:
             continue
         path = os.path.join(out_dir, f"{tuner.kernel_name}.json")
