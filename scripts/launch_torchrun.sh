@@ -30,7 +30,7 @@ exec torchrun --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" --node-rank "${N
   --hybrid-layer-pattern "${PATTERN:-G*-G-G*-G-}" --hidden-size "${HIDDEN:-1024}" \
   --num-attention-heads "${HEADS:-8}" --ffn-hidden-size "${FFN:-4096}" \
   --seq-length "${SEQ:-32768}" --max-position-embeddings "${SEQ:-32768}" \
-  --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
+  --position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu --disable-bias-linear \
   --untie-embeddings-and-output-weights \
   --tokenizer-type NullTokenizer --vocab-size "${VOCAB:-151936}" \
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \

@@ -253,6 +253,19 @@ def test_args_unsupported_combinations(extra, message):
         validate_tree_packing_args(args)
 
 
+@pytest.mark.parametrize("argv", [BASE, ["--tree-trajectories", "x.jsonl", "--hybrid-layer-pattern", "G*-"]],
+                         ids=["tree-packing", "thd-baseline"])
+def test_args_turn_rope_fusion_off_for_tree_packs(argv, caplog):
+    args = _megatron_args(argv)
+    assert args.apply_rope_fusion          # Megatron's default
+    with caplog.at_level("WARNING", logger="megatron_harts.megatron.arguments"):
+        validate_tree_packing_args(args)
+    assert not args.apply_rope_fusion and "RoPE fusion turned off" in caplog.text
+    other = _megatron_args(["--hybrid-layer-pattern", "G*-"])
+    validate_tree_packing_args(other)
+    assert other.apply_rope_fusion         # Megatron runs without this package's packs: untouched
+
+
 def test_args_layers_without_tree_path():
     with pytest.raises(TreePackingArgumentError, match=r"\['\+', 'D'\]"):
         validate_tree_packing_args(argparse.Namespace(tree_packing=True, hybrid_layer_pattern="GD*+-"))

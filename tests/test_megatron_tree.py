@@ -126,3 +126,13 @@ def test_verify_reversed_rerun_maps_back_to_the_original_order(models):
     diff = verify.compare(rev, base)
     assert diff["max_logprob_abs_diff"] < 1e-5 and diff["loss_rel_diff"] < TOL, diff
     assert diff["max_grad_rel_diff_non_decay"] < TOL, diff
+
+
+def test_fused_rope_is_refused_for_tree_packs(models, monkeypatch):
+    """TE's fused THD RoPE numbers positions per ``cu_seqlens`` segment; tree packs carry per-token
+    positions, so a model configured with RoPE fusion must refuse them rather than mis-rotate."""
+    model = models["plain"]
+    trees = [RolloutTree.from_trajectories(t) for t in CASES["multi_root"]]
+    monkeypatch.setattr(model.config, "apply_rope_fusion", True)
+    with cpu_shim.cpu_megatron(seed=0), pytest.raises(ValueError, match="apply_rope_fusion=False"):
+        run_packed(model, trees, pack, _weights(trees))

@@ -53,6 +53,9 @@ class TreeHybridStack(LocalHybridStack):
     def forward(self, hidden_states, attention_mask, inference_context=None, rotary_pos_emb=None, *,
                 packed_seq_params=None, **kwargs):
         if isinstance(packed_seq_params, TreePackedSeqParams):
+            if rotary_pos_emb is not None and self.config.apply_rope_fusion:
+                raise ValueError("tree packs need apply_rope_fusion=False (--no-rope-fusion): fused THD RoPE "
+                                 "numbers positions per cu_seqlens segment, tree packs carry per-token positions")
             if self._has_mamba:
                 raise NotImplementedError("tree packs through Mamba2 ('M') layers need mamba.TreeMambaMixer")
             if rotary_pos_emb is not None:

@@ -11,6 +11,11 @@ instead of R full fla calls each way.
 States between rounds: round r's final states (fp32) are gathered by ``init_from`` into round
 r+1's initial states; backward scatter-adds the initial-state gradients (``dh0``) back into the
 previous round's final-state gradients (``dht``).
+
+The recurrence kernels are launched here directly (fla's wrappers around them allocate per call
+and, for simple GLA, read the chunk count with ``.item()``): each round writes its states and
+outputs into its slice of one all-rounds buffer, with sizes and chunk offsets from the plan, so a
+layer makes no host sync and no per-round copies.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import triton
 
 from ..packing import TreePack
 from .plan import ChunkPlan, chunk_plan
@@ -28,23 +34,26 @@ from .plan import ChunkPlan, chunk_plan
 class VarlenChunks:
     """fla varlen metadata of S sequences: ``cu_seqlens`` ``[S+1]``, ``chunk_indices`` ``[NT, 2]``
     (sequence, chunk within it), ``chunk_offsets`` ``[S+1]`` (first chunk of each sequence), all
-    int64 on the device; ``start``/``stop`` the token range in the all-rounds layout."""
+    int64 on the device; host ints: ``num_seqs`` (S), ``tokens`` / ``chunks`` (the token and chunk
+    ranges in the all-rounds layout)."""
 
     cu_seqlens: torch.Tensor
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
-    start: int
-    stop: int
+    num_seqs: int
+    tokens: slice
+    chunks: slice
 
     @staticmethod
-    def build(cu: np.ndarray, chunk_size: int, device, start: int = 0) -> "VarlenChunks":
+    def build(cu: np.ndarray, chunk_size: int, device, start: int = 0, chunk_start: int = 0) -> "VarlenChunks":
         lens = np.diff(cu)
         chunks = (lens + chunk_size - 1) // chunk_size
         offsets = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
         seq = np.repeat(np.arange(len(lens), dtype=np.int64), chunks)
         within = np.arange(offsets[-1], dtype=np.int64) - offsets[seq]
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
-        return VarlenChunks(t(cu), t(np.stack([seq, within], 1)), t(offsets), start, start + int(cu[-1]))
+        return VarlenChunks(t(cu), t(np.stack([seq, within], 1)), t(offsets), len(lens),
+                            slice(start, start + int(cu[-1])), slice(chunk_start, chunk_start + int(offsets[-1])))
 
 
 @dataclass
@@ -67,42 +76,67 @@ def fused_rounds(pack: TreePack, chunk_size: int) -> FusedRounds:
         cus = [rd.cu_seqlens_cpu.numpy() for rd in plan.rounds]
         starts = np.concatenate([[0], np.cumsum([int(c[-1]) for c in cus])])
         cu_all = np.concatenate([[0]] + [c[1:] + s for c, s in zip(cus, starts)])
-        rounds = [VarlenChunks.build(c, chunk_size, dev, int(s)) for c, s in zip(cus, starts)]
+        rounds, chunk_start = [], 0
+        for c, s in zip(cus, starts):
+            rounds.append(VarlenChunks.build(c, chunk_size, dev, int(s), chunk_start))
+            chunk_start = rounds[-1].chunks.stop
         return FusedRounds(VarlenChunks.build(cu_all, chunk_size, dev), rounds,
                            [rd.init_from for rd in plan.rounds], chunk_size)
 
     return pack.cached(("fla_fused_rounds", chunk_size, str(pack.device)), build)
 
 
-def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
-    """Per-round ``[1, n_r, ...]`` tensors -> ``[1, sum n_r, ...]`` (the all-rounds layout)."""
-    return xs[0] if len(xs) == 1 else torch.cat(xs, 1)
-
-
 def _prev_final_grad(fr: FusedRounds, r: int, dh0: torch.Tensor) -> torch.Tensor:
     """Gradient of round r-1's final states from round r's initial-state gradient ``dh0``."""
-    n_prev = fr.rounds[r - 1].cu_seqlens.shape[0] - 1
-    return dh0.new_zeros((n_prev, *dh0.shape[1:])).index_add_(0, fr.init_from[r], dh0)
+    return dh0.new_zeros((fr.rounds[r - 1].num_seqs, *dh0.shape[1:])).index_add_(0, fr.init_from[r], dh0)
+
+
+def _init_state(fr: FusedRounds, r: int, final: torch.Tensor | None) -> torch.Tensor | None:
+    return None if r == 0 else final.index_select(0, fr.init_from[r])
 
 
 def _round_states(k, w, u, gc, fr: FusedRounds, keep_inits: bool):
-    """Run ``fwd_h`` round by round. Returns h ``[1, NT, HV, K, V]``, v_new like u, and the
-    initial states each round started from (None for round 0)."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    """GDN forward recurrence (fla ``chunk_gated_delta_rule_fwd_kernel_h_blockdim64``) round by
+    round. Returns h ``[1, NT, HV, K, V]``, v_new like u, and each round's initial states (None for
+    round 0, and for all rounds unless ``keep_inits``)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as kernel
 
-    hs, vs, inits, final = [], [], [], None
-    last = len(fr.rounds) - 1
+    H, K, HV, V = k.shape[2], k.shape[3], u.shape[2], u.shape[3]
+    h = k.new_empty(1, fr.all.chunks.stop, HV, K, V)
+    v_new = torch.empty_like(u)
+    inits, final, last = [], None, len(fr.rounds) - 1
     for r, vc in enumerate(fr.rounds):
-        sl = slice(vc.start, vc.stop)
-        init = None if r == 0 else final.index_select(0, fr.init_from[r])
-        h, v_new, final = chunk_gated_delta_rule_fwd_h(
-            k=k[:, sl], w=w[:, sl], u=u[:, sl], g=gc[:, sl], initial_state=init, output_final_state=r < last,
-            chunk_size=fr.chunk_size, cu_seqlens=vc.cu_seqlens, chunk_indices=vc.chunk_indices,
-            chunk_offsets=vc.chunk_offsets)
-        hs.append(h)
-        vs.append(v_new)
+        t = vc.tokens
+        init = _init_state(fr, r, final)
+        final = k.new_zeros(vc.num_seqs, HV, K, V, dtype=torch.float32) if r < last else None
+        kernel[lambda meta, n=vc.num_seqs: (triton.cdiv(V, meta["BV"]) * n * HV,)](
+            k=k[:, t], v=u[:, t], w=w[:, t], v_new=v_new[:, t], g=gc[:, t], gk=None, h=h[:, vc.chunks],
+            h0=init, ht=final, cu_seqlens=vc.cu_seqlens, chunk_offsets=vc.chunk_offsets,
+            T=t.stop - t.start, H=H, HV=HV, K=K, V=V, BT=fr.chunk_size, STATE_V_FIRST=False)
         inits.append(init if keep_inits else None)
-    return _cat(hs), _cat(vs), inits
+    return h, v_new, inits
+
+
+def _round_state_grads(q, k, w, do, dv, gc, inits, fr: FusedRounds, scale: float):
+    """GDN backward recurrence (fla ``chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64``), last
+    round first, each round's ``dh0`` feeding the previous round's ``dht``. Returns dh
+    ``[1, NT, HV, K, V]`` and dv2 like dv."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 as kernel
+
+    H, K, HV, V = q.shape[2], q.shape[3], do.shape[2], do.shape[3]
+    dh = q.new_empty(1, fr.all.chunks.stop, HV, K, V)
+    dv2 = torch.empty_like(dv)
+    dht = None
+    for r in reversed(range(len(fr.rounds))):
+        vc, t = fr.rounds[r], fr.rounds[r].tokens
+        dh0 = torch.empty_like(inits[r], dtype=torch.float32) if r > 0 else None
+        kernel[lambda meta, n=vc.num_seqs: (triton.cdiv(V, meta["BV"]) * n * HV,)](
+            q=q[:, t], k=k[:, t], w=w[:, t], g=gc[:, t], gk=None, dht=dht, dh0=dh0, do=do[:, t], dh=dh[:, vc.chunks],
+            dv=dv[:, t], dv2=dv2[:, t], cu_seqlens=vc.cu_seqlens, chunk_offsets=vc.chunk_offsets, scale=scale,
+            T=t.stop - t.start, H=H, HV=HV, K=K, V=V, BT=fr.chunk_size, STATE_V_FIRST=False)
+        if r > 0:
+            dht = _prev_final_grad(fr, r, dh0)
+    return dh, dv2
 
 
 class TreeGatedDeltaRuleFla(torch.autograd.Function):
@@ -132,7 +166,6 @@ class TreeGatedDeltaRuleFla(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
         from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
         from fla.ops.utils import chunk_local_cumsum
@@ -147,17 +180,7 @@ class TreeGatedDeltaRuleFla(torch.autograd.Function):
             h, v_new, inits = _round_states(k, w, u, gc, fr, keep_inits=True)
             dv = chunk_bwd_dv_local(q=q, k=k, g=gc, do=do, scale=scale, cu_seqlens=a.cu_seqlens,
                                     chunk_indices=a.chunk_indices, chunk_size=C)
-            dhs, dvs, dht = [None] * len(fr.rounds), [None] * len(fr.rounds), None
-            for r in reversed(range(len(fr.rounds))):
-                vc = fr.rounds[r]
-                sl = slice(vc.start, vc.stop)
-                dhs[r], dh0, dvs[r] = chunk_gated_delta_rule_bwd_dhu(
-                    q=q[:, sl], k=k[:, sl], w=w[:, sl], do=do[:, sl], dv=dv[:, sl], g=gc[:, sl], h0=inits[r],
-                    dht=dht, scale=scale, cu_seqlens=vc.cu_seqlens, chunk_size=C,
-                    chunk_indices=vc.chunk_indices, chunk_offsets=vc.chunk_offsets)
-                if r > 0:
-                    dht = _prev_final_grad(fr, r, dh0)
-            dh, dv = _cat(dhs), _cat(dvs)
+            dh, dv = _round_state_grads(q, k, w, do, dv, gc, inits, fr, scale)
             dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=gc, h=h, dv=dv, do=do, dh=dh, scale=scale,
                                              cu_seqlens=a.cu_seqlens, chunk_indices=a.chunk_indices, chunk_size=C)
             dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=gc, A=A, dw=dw, du=dv,
@@ -169,21 +192,46 @@ class TreeGatedDeltaRuleFla(torch.autograd.Function):
         return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), None, None
 
 
-
 def _simple_gla_states(k, v, gc, fr: FusedRounds, fp32: bool, keep_inits: bool):
-    """fla ``chunk_fwd_h`` round by round: h ``[1, NT, H, K, V]`` and each round's initial states."""
-    from fla.ops.common.chunk_h import chunk_fwd_h
+    """Simple-GLA forward recurrence (fla ``chunk_fwd_kernel_h``) round by round: h
+    ``[1, NT, H, K, V]`` (fp32 if ``fp32``) and each round's initial states (as ``_round_states``)."""
+    from fla.ops.common.chunk_h import chunk_fwd_kernel_h as kernel
 
-    hs, inits, final = [], [], None
-    last = len(fr.rounds) - 1
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    h = k.new_empty(1, fr.all.chunks.stop, H, K, V, dtype=torch.float32 if fp32 else k.dtype)
+    inits, final, last = [], None, len(fr.rounds) - 1
     for r, vc in enumerate(fr.rounds):
-        sl = slice(vc.start, vc.stop)
-        init = None if r == 0 else final.index_select(0, fr.init_from[r])
-        h, final = chunk_fwd_h(k=k[:, sl], v=v[:, sl], g=gc[:, sl], h0=init, output_final_state=r < last,
-                               cu_seqlens=vc.cu_seqlens, chunk_size=fr.chunk_size, states_in_fp32=fp32)
-        hs.append(h)
+        t = vc.tokens
+        init = _init_state(fr, r, final)
+        final = k.new_empty(vc.num_seqs, H, K, V, dtype=torch.float32) if r < last else None
+        kernel[lambda meta, n=vc.num_seqs: (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * n * H,)](
+            k=k[:, t], v=v[:, t], h=h[:, vc.chunks], g=gc[:, t], g_gamma=None, gk=None, gv=None, h0=init, ht=final,
+            cu_seqlens=vc.cu_seqlens, split_offsets=vc.chunk_offsets, T=t.stop - t.start, H=H, K=K, V=V,
+            BT=fr.chunk_size, BS=fr.chunk_size, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False,
+            STATE_V_FIRST=False)
         inits.append(init if keep_inits else None)
-    return _cat(hs), inits
+    return h, inits
+
+
+def _simple_gla_state_grads(q, k, do, gc, inits, fr: FusedRounds, scale: float):
+    """Simple-GLA backward recurrence (fla ``chunk_bwd_kernel_dh``), last round first: dh
+    ``[1, NT, H, K, V]`` fp32."""
+    from fla.ops.common.chunk_h import chunk_bwd_kernel_dh as kernel
+
+    H, K, V = q.shape[2], q.shape[3], do.shape[3]
+    dh = q.new_empty(1, fr.all.chunks.stop, H, K, V, dtype=torch.float32)
+    dht = None
+    for r in reversed(range(len(fr.rounds))):
+        vc, t = fr.rounds[r], fr.rounds[r].tokens
+        dh0 = torch.empty_like(inits[r], dtype=torch.float32) if r > 0 else None
+        kernel[lambda meta, n=vc.num_seqs: (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * n * H,)](
+            q=q[:, t], g=gc[:, t], g_gamma=None, gk=None, gv=None, do=do[:, t], dh=dh[:, vc.chunks], dht=dht, dh0=dh0,
+            cu_seqlens=vc.cu_seqlens, split_offsets=vc.chunk_offsets, scale=scale, T=t.stop - t.start, HQ=H, H=H,
+            K=K, V=V, BT=fr.chunk_size, BS=fr.chunk_size, NG=1, USE_G=True, USE_G_GAMMA=False, USE_GK=False,
+            USE_GV=False, STATE_V_FIRST=False)
+        if r > 0:
+            dht = _prev_final_grad(fr, r, dh0)
+    return dh
 
 
 class TreeSimpleGLAFla(torch.autograd.Function):
@@ -210,7 +258,6 @@ class TreeSimpleGLAFla(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        from fla.ops.common.chunk_h import chunk_bwd_dh
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv
         from fla.ops.utils import chunk_local_cumsum
 
@@ -220,16 +267,7 @@ class TreeSimpleGLAFla(torch.autograd.Function):
         do = do.contiguous()
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             h, inits = _simple_gla_states(k, v, gc, fr, fp32=True, keep_inits=True)
-            dhs, dht = [None] * len(fr.rounds), None
-            for r in reversed(range(len(fr.rounds))):
-                vc = fr.rounds[r]
-                sl = slice(vc.start, vc.stop)
-                dhs[r], dh0 = chunk_bwd_dh(q=q[:, sl], k=k[:, sl], v=v[:, sl], do=do[:, sl], h0=inits[r], dht=dht,
-                                           scale=scale, g=gc[:, sl], cu_seqlens=vc.cu_seqlens, chunk_size=C,
-                                           states_in_fp32=True)
-                if r > 0:
-                    dht = _prev_final_grad(fr, r, dh0)
-            dh = _cat(dhs)
+            dh = _simple_gla_state_grads(q, k, do, gc, inits, fr, scale)
             dq, dk, _, dg = chunk_bwd_dqkwg(q=q, k=k, v=v, g=gc, h=h, do=do, dh=dh, scale=scale,
                                             cu_seqlens=a.cu_seqlens, chunk_size=C, chunk_indices=a.chunk_indices)
             dv = chunk_bwd_dv(q=q, k=k, g=gc, do=do, dh=dh, scale=scale, cu_seqlens=a.cu_seqlens, chunk_size=C,
