@@ -1,7 +1,7 @@
 """Check tree-packed training against the trajectory-wise baseline on a Megatron model.
 
 ``python -m megatron_harts.verify --pattern 'G*-G-' --seed 0 [--trajectories FILE.jsonl]
-[--recompute] [--device cpu|cuda] [--model tiny|1.5b]`` builds a ``HybridModel`` with
+[--recompute] [--device cpu|cuda] [--model tiny|1.5b] [--spec local|te]`` builds a ``HybridModel`` with
 ``tree_hybrid_stack_spec``, runs the same weights on ``pack_trajectories(trees)`` (every
 trajectory its own chain: THD packing) and on ``pack(trees)``, and prints one JSON line::
 
@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                     "multiplicity-weighted aux losses)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: fp32 tiny model; cuda: bf16")
     ap.add_argument("--model", choices=["tiny", "1.5b"], default="tiny", help="1.5b: HYBRID_1P5B (cuda only)")
+    ap.add_argument("--spec", choices=["local", "te"], default="local",
+                    help="cuda: layer spec (te = Transformer Engine modules, needs TE)")
     ap.add_argument("--noise-factor", type=float, default=3.0, help="cuda: allowed multiple of the rerun's differences")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--tol", type=float, default=1e-5)
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.model != "tiny" and args.device != "cuda":
         ap.error("--model 1.5b needs --device cuda")
+    if args.spec == "te" and args.device != "cuda":
+        ap.error("--spec te needs --device cuda (Transformer Engine)")
     if args.device == "cuda":
         return _main_cuda(args)
 
@@ -155,7 +159,7 @@ def _main_cuda(args) -> int:
     pattern, over = HYBRID_1P5B if args.model == "1.5b" else (args.pattern, dict(hidden_size=256))
     recompute = args.recompute or args.model == "1.5b"   # the baseline runs the whole batch as one pack
     over = dict(over, num_moe_experts=args.num_moe_experts, **(RECOMPUTE if recompute else {}))
-    model = build_gpu_hybrid_model(pattern, vocab, max(len(t.tokens) for t in trajs), **over)
+    model = build_gpu_hybrid_model(pattern, vocab, max(len(t.tokens) for t in trajs), spec=args.spec, **over)
     base = run_packed(model, trees, pack_trajectories, weights, args.chunk_size, "cuda")
     rerun = run_reversed(model, trees, pack_trajectories, weights, args.chunk_size, "cuda")
     tree = run_packed(model, trees, pack, weights, args.chunk_size, "cuda")

@@ -18,8 +18,10 @@ Models (bf16, local non-TE ``tree_hybrid_stack_spec``): ``dense`` ~1.5B, hidden 
 SwiGLU 6144, vocab 32768); ``moe`` hidden 1024, 'GEGEGE*E' x 3, 16 experts top-2 x 1024.
 Workloads: ``swe`` (``swe_bench_like``, --swe-groups tasks, trajectories <= --swe-max-tokens),
 ``tau`` (``tau_bench_like``), ``sweep`` (``sweep_batch`` at --compressions, --sweep-tokens each).
-Packs are padded with a dummy chain to a multiple of --pad-multiple tokens, so FlexAttention
-(compiled for static shapes) sees few distinct shapes; padding is computed but not counted.
+FlexAttention (compiled for static shapes) pads each pack internally to ``ops.attention.flex_length``
+tokens (< 1/16 more) on both sides. ``--pad-multiple N`` instead pads whole packs with a dummy chain
+to a multiple of N tokens through every layer (computed, not counted; the runs of 2026-11-29 used
+8192, which cost the 10x sweep point 24% of its HARTS time).
 
     python scripts/bench_e2e.py --out $OUT --models dense --workloads swe --recompute on
     python scripts/bench_e2e.py --plot $OUT/e2e.json [more.json ...] --out docs/benchmarks
@@ -388,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=2, help="timed global-batch steps per side (median)")
     ap.add_argument("--capacity", type=int, default=0, help="max tokens per microbatch (0: 65536 with "
                     "recompute, 32768 without; tiny: 256)")
-    ap.add_argument("--pad-multiple", type=int, default=8192, help="pad packs to a multiple (0: off)")
+    ap.add_argument("--pad-multiple", type=int, default=0, help="pad whole packs to a multiple of this many "
+                    "tokens with a dummy chain (0: off; attention pads itself, see flex_length)")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--swe-groups", type=int, default=2)

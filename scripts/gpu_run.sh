@@ -3,7 +3,10 @@
 #   scripts/gpu_run.sh STEP [extra args]      STEP: check | ops | e2e-swe | e2e-tau | e2e-sweep | e2e-moe
 #                                                   | e2e-norc | verify | calibrate
 # Results go to $OUT (default ./out); the tuned configs are also packed into $OUT/fla_configs.tgz
-# (unpack into configs/fla/<GPU> and commit, so the next fresh machine skips autotuning).
+# (unpack into configs/fla/<GPU> and commit, so the next fresh machine skips autotuning), and
+# Triton's own autotuning results (plain ``triton.autotune`` kernels such as simple GLA's, which
+# fla's config files do not cover) into $OUT/triton_autotune.tgz (commit as configs/triton/<GPU>.tgz;
+# used only while the Triton, fla and driver versions match, since Triton's cache key hashes them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -13,6 +16,9 @@ CFG=/tmp/fla_configs
 mkdir -p "$CFG"
 [ -d "configs/fla/$GPU" ] && cp -n "configs/fla/$GPU"/*.json "$CFG"/ 2>/dev/null || true
 export FLA_CACHE_MODE=${FLA_CACHE_MODE:-fuzzy} FLA_CONFIG_DIR=$CFG TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f "configs/triton/$GPU.tgz" ] && tar xzf "configs/triton/$GPU.tgz" -C "$TRITON_CACHE_DIR" --skip-old-files || true
 step=${1:?STEP}; shift
 save=(--save-fla-configs "$CFG")
 rc=0
@@ -29,4 +35,5 @@ case "$step" in
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac || rc=$?
 tar czf "$OUT/fla_configs.tgz" -C "$CFG" . 2>/dev/null || true
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/triton_autotune.tgz" -T -) 2>/dev/null || true
 exit $rc

@@ -246,8 +246,12 @@ def test_args_valid_and_defaults():
     (["--moe-pad-expert-input-to-capacity"], "capacity"),
     (["--micro-batch-size", "2"], "micro-batch-size 1"),
     (["--tree-chunk-size", "0"], "tree-chunk-size must be >= 1"),
-], ids=["cp", "mtp", "dsa", "mla", "mtp-pattern", "capacity", "pad-capacity", "mbs", "chunk"])
+    (["--tree-spec", "te"], "needs Transformer Engine"),
+], ids=["cp", "mtp", "dsa", "mla", "mtp-pattern", "capacity", "pad-capacity", "mbs", "chunk", "te-spec"])
 def test_args_unsupported_combinations(extra, message):
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    if "--tree-spec" in extra and HAVE_TE:
+        pytest.skip("Transformer Engine is installed: --tree-spec te is valid")
     args = _megatron_args(BASE + extra)
     with pytest.raises(TreePackingArgumentError, match=message):
         validate_tree_packing_args(args)

@@ -136,3 +136,37 @@ def test_fused_rope_is_refused_for_tree_packs(models, monkeypatch):
     monkeypatch.setattr(model.config, "apply_rope_fusion", True)
     with cpu_shim.cpu_megatron(seed=0), pytest.raises(ValueError, match="apply_rope_fusion=False"):
         run_packed(model, trees, pack, _weights(trees))
+
+
+def test_te_spec_needs_transformer_engine():
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    from megatron_harts.megatron import tree_te_hybrid_stack_spec
+    if HAVE_TE:
+        pytest.skip("Transformer Engine is installed: the missing-TE error cannot be provoked")
+    with pytest.raises(ImportError, match="needs Transformer Engine.*tree_hybrid_stack_spec"):
+        tree_te_hybrid_stack_spec()
+
+
+def test_te_spec_swaps_in_the_tree_layers_and_keeps_te_modules(monkeypatch):
+    """Structure of the TE spec (its numerics need TE on a GPU: ``verify --device cuda --spec te``).
+    Without TE, Megatron's TE classes are placeholders, which is enough to check the wiring."""
+    import megatron.core.extensions.transformer_engine as te
+    from megatron.core.models.hybrid import hybrid_layer_specs as megatron_specs
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+    from megatron_harts.megatron import (TreeCoreAttention, TreeGatedDeltaNet, TreeHybridStack,
+                                         tree_te_hybrid_stack_spec)
+    from megatron_harts.megatron.mamba import TreeMambaMixer
+
+    monkeypatch.setattr(te, "HAVE_TE", True)
+    spec = tree_te_hybrid_stack_spec()
+    s = spec.submodules
+    assert spec.module is TreeHybridStack and spec.params["final_norm"] is te.TENorm
+    gdn = s.gdn_layer.submodules.self_attention
+    assert gdn.module is TreeGatedDeltaNet and gdn.submodules.in_proj is te.TELayerNormColumnParallelLinear
+    att = s.attention_layer.submodules.self_attention.submodules
+    assert att.core_attention is TreeCoreAttention and att.linear_qkv is te.TELayerNormColumnParallelLinear
+    assert s.mamba_layer.submodules.mixer.module is TreeMambaMixer
+    assert s.mamba_layer.submodules.mixer.submodules.in_proj is te.TELayerNormColumnParallelLinear
+    ref = megatron_specs.hybrid_stack_spec          # Megatron's own spec is left alone
+    assert ref.module is HybridStack and ref.submodules.attention_layer.submodules.self_attention.submodules \
+        .core_attention is te.TEDotProductAttention

@@ -172,6 +172,34 @@ def test_attention_random_multi_tree_packs(trees, seed):
              lambda q, k, v: ref.causal_attention(q, k, v), seed)
 
 
+def test_flex_length_buckets():
+    from megatron_harts.ops.attention import flex_length
+    Ts = np.arange(1, 300_000, 97)
+    Tp = np.array([flex_length(int(t)) for t in Ts])
+    assert (Tp >= Ts).all() and (Tp % 128 == 0).all() and (Tp - Ts < np.maximum(128, Ts / 16)).all()
+    assert len(set(Tp[(Ts >= 32768) & (Ts < 65536)])) <= 17          # ~16 compiled shapes per octave
+    assert flex_length(65536) == 65536 and flex_length(13166) == 13312
+
+
+@pytest.mark.parametrize("case", ["multi_root", "deep", "wide", "one_past"])
+def test_attention_flex_path_forward(case, monkeypatch):
+    """The flex path (padding to ``flex_length``, pad tokens isolated by the block mask) against the
+    trajectory-wise reference, forward only: FlexAttention has no CPU backward; run eagerly."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from megatron_harts.ops import attention
+    monkeypatch.setattr(attention, "_flex", flex_attention)
+    p = _pack(corner_cases(8)[case], 8)
+    assert attention.flex_length(p.num_tokens) > p.num_tokens       # the pad rows are exercised
+    g = torch.Generator().manual_seed(1)
+    T = p.num_tokens
+    q, k, v = torch.randn(T, 4, 8, generator=g), torch.randn(T, 2, 8, generator=g), torch.randn(T, 2, 8, generator=g)
+    out = tree_attention(q, k, v, p, backend="flex")
+    assert out.shape == (T, 4, 8)
+    for idx in p.index_of_trajectory:
+        want = ref.causal_attention(q[idx].double(), k[idx].double(), v[idx].double())
+        assert _rel(out[idx], want) < TOL
+
+
 @given(trajectory_sets(chunk_size=4), st.integers(0, 3))
 def test_token_logprobs_random_trees(trajs, seed):
     p = _pack(trajs, 4)

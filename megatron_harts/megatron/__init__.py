@@ -4,7 +4,7 @@ Importing this package imports megatron.core but patches nothing (see ``cpu_shim
 """
 from .layers import TreeCoreAttention, TreeGatedDeltaNet, TreeHybridStack
 from .packed_seq import TreePackedSeqParams, tree_packed_seq_params
-from .specs import tree_hybrid_stack_spec, treeify
+from .specs import tree_hybrid_stack_spec, tree_te_hybrid_stack_spec, treeify
 
 __all__ = ["TreeCoreAttention", "TreeGatedDeltaNet", "TreeHybridStack", "TreePackedSeqParams",
-           "tree_hybrid_stack_spec", "tree_packed_seq_params", "treeify"]
+           "tree_hybrid_stack_spec", "tree_packed_seq_params", "tree_te_hybrid_stack_spec", "treeify"]

@@ -28,6 +28,7 @@ TREE_SUPPORTED_LAYER_SYMBOLS = frozenset("G*-EM")
 #: Pattern characters that are not layers: pipeline-stage boundary.
 PATTERN_SEPARATORS = frozenset("|")
 PLANNERS = ("harts", "greedy")
+SPECS = ("local", "te")
 
 
 class TreePackingArgumentError(ValueError):
@@ -52,6 +53,11 @@ def add_tree_packing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                    help="Rollout groups (trees) consumed per optimizer step; must be >= "
                         "global batch size (= DP x microbatches, one tree pack per microbatch). "
                         "Default: global batch size.")
+    g.add_argument("--tree-spec", choices=SPECS, default="local",
+                   help="Layer spec of the tree-packed model: 'local' (Megatron-Core modules, tested on "
+                        "CPU and the H200) or 'te' (Transformer Engine modules; needs TE; its numerics are "
+                        "untested here: run `python -m megatron_harts.verify --device cuda --spec te` "
+                        "first). Default local.")
     g.add_argument("--tree-max-tokens", type=int, default=None,
                    help="Warn when a microbatch holds more compact tokens than this.")
     g.add_argument("--tree-shuffle-seed", type=int, default=None,
@@ -106,6 +112,10 @@ def tree_packing_errors(args) -> list[str]:
                     f"(got {mbs}); use --global-batch-size for the number of tree packs per step")
     if getattr(args, "tree_chunk_size", 64) < 1:
         errs.append(f"--tree-chunk-size must be >= 1, got {args.tree_chunk_size}")
+    if getattr(args, "tree_spec", "local") == "te":
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+        if not HAVE_TE:
+            errs.append("--tree-spec te needs Transformer Engine, which is not installed; use --tree-spec local")
     if getattr(args, "rl_dual_clip_c", None) is not None and args.rl_dual_clip_c <= 1:
         errs.append(f"--rl-dual-clip-c must be > 1, got {args.rl_dual_clip_c}")
     return errs

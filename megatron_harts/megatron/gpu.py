@@ -11,7 +11,7 @@ import os
 import torch
 
 from .cpu_shim import tiny_hybrid_config
-from .specs import tree_hybrid_stack_spec
+from .specs import tree_hybrid_stack_spec, tree_te_hybrid_stack_spec
 
 # Qwen3-Next-like 3:1 GDN:attention, 1.48B parameters with vocab 32768 (``pattern`` x 6 = 48 layers).
 HYBRID_1P5B = ("G-G-G-*-" * 6, dict(hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16, num_query_groups=4,
@@ -35,14 +35,17 @@ def init_single_gpu(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpu_hybrid_model(pattern: str, vocab_size: int, max_sequence_length: int, **overrides):
-    """bf16 ``HybridModel`` (``tree_hybrid_stack_spec``, RoPE, untied embeddings) on the current
-    GPU; ``overrides`` are ``TransformerConfig`` fields. Needs :func:`init_single_gpu` first."""
+def build_gpu_hybrid_model(pattern: str, vocab_size: int, max_sequence_length: int, spec: str = "local",
+                           **overrides):
+    """bf16 ``HybridModel`` (``spec``: ``local`` = ``tree_hybrid_stack_spec``, ``te`` =
+    ``tree_te_hybrid_stack_spec``; RoPE, untied embeddings) on the current GPU; ``overrides`` are
+    ``TransformerConfig`` fields. Needs :func:`init_single_gpu` first."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     cfg = tiny_hybrid_config(pattern, **{"init_method_std": 0.02, **overrides}, params_dtype=torch.bfloat16,
                              bf16=True, use_cpu_initialization=False)
-    model = HybridModel(config=cfg, hybrid_stack_spec=tree_hybrid_stack_spec(cfg.num_moe_experts),
+    stack = tree_te_hybrid_stack_spec() if spec == "te" else tree_hybrid_stack_spec(cfg.num_moe_experts)
+    model = HybridModel(config=cfg, hybrid_stack_spec=stack,
                         vocab_size=vocab_size, max_sequence_length=max_sequence_length, hybrid_layer_pattern=pattern,
                         position_embedding_type="rope", share_embeddings_and_output_weights=False)
     return model.cuda(torch.cuda.current_device())  # local-spec norms are created on the host (as in get_model)

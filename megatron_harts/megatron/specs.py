@@ -5,18 +5,21 @@ Which spec to use:
 * :func:`tree_hybrid_stack_spec` (this module): the local (non-TE) spec of
   ``cpu_shim.local_hybrid_stack_spec`` with the tree layers swapped in. Use it on CPU and on GPUs
   without Transformer Engine; tested on CPU (``tests/test_megatron_tree.py``).
-* With TE installed, :func:`treeify` can be applied to Megatron's
-  ``hybrid_layer_specs.hybrid_stack_spec`` in principle, but that is **not done or tested here**
-  (no TE in this environment): TE's GDN spec fuses the input norm into ``in_proj``
-  (``TELayerNormColumnParallelLinear``), which the tree GDN inherits unchanged, while the TE stack
-  needs ``params={"final_norm": TENorm}`` on :class:`TreeHybridStack` and the non-tree fallback
-  of :class:`TreeCoreAttention` is the local ``DotProductAttention``, not TE's.
+* :func:`tree_te_hybrid_stack_spec`: Megatron's Transformer Engine spec
+  (``hybrid_layer_specs.hybrid_stack_spec``: fused LayerNorm+Linear projections, ``TENorm``, TE
+  grouped-GEMM MoE experts) with the same tree layers swapped in and ``TENorm`` as the final norm.
+  Needs TE. Its structure is tested here; its numerics are **not** (neither the CPU machines nor
+  the H200 image have TE): run ``python -m megatron_harts.verify --device cuda --spec te`` once on
+  a TE machine before training with it. The tree core attention is the local one on both specs
+  (``tree_attention``; for inputs that are not tree packs it falls back to the local
+  ``DotProductAttention``, not TE's).
 
 Pattern symbols covered by the tree path: ``G`` (GDN), ``*`` (attention), ``-`` (MLP), ``E``
 (MoE; multiplicity-weighted router, ``megatron_harts.moe``), ``M`` (Mamba2, ``mamba.TreeMambaMixer``).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -46,3 +49,30 @@ def tree_hybrid_stack_spec(num_moe_experts: Optional[int] = None, qk_layernorm: 
     """Local (non-TE) hybrid stack spec with tree-aware ``G`` and ``*`` layers; arguments as
     ``cpu_shim.local_hybrid_stack_spec``."""
     return treeify(local_hybrid_stack_spec(num_moe_experts, qk_layernorm))
+
+
+def _copy_spec(x):
+    """Copy of a spec tree: new ``ModuleSpec`` / submodule dataclasses and params dicts, the same
+    leaf classes and functions (``deepcopy`` cannot copy TE's placeholder classes)."""
+    if isinstance(x, ModuleSpec):
+        return dataclasses.replace(x, params=dict(x.params or {}), submodules=_copy_spec(x.submodules))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _copy_spec(getattr(x, f.name))
+                                         for f in dataclasses.fields(x) if f.init})
+    return x
+
+
+def tree_te_hybrid_stack_spec() -> ModuleSpec:
+    """Megatron's TE hybrid stack spec with the tree layers swapped in (a copy; Megatron's own spec
+    is left alone) and ``TENorm`` as the stack's final norm. Raises ``ImportError`` without
+    Transformer Engine."""
+    from megatron.core.extensions import transformer_engine as te
+
+    if not te.HAVE_TE:
+        raise ImportError("tree_te_hybrid_stack_spec needs Transformer Engine, which is not installed; "
+                          "use tree_hybrid_stack_spec() (local spec, --tree-spec local)")
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    spec = treeify(_copy_spec(hybrid_stack_spec))
+    spec.params = {**(spec.params or {}), "final_norm": te.TENorm}
+    return spec

@@ -16,14 +16,17 @@ from megatron.training import get_args, get_timers, print_rank_0
 
 from ..tree import read_jsonl
 from .batch import TreeMicrobatchIterator, group_trajectories, model_inputs, rl_loss
-from .specs import tree_hybrid_stack_spec
+from .specs import tree_hybrid_stack_spec, tree_te_hybrid_stack_spec
 
 logger = logging.getLogger(__name__)
 
 
 def configure_model(args, model_cfg):
-    """Point a ``HybridModelConfig`` at the tree spec (local, non-TE layers); returns it."""
-    model_cfg.hybrid_stack_spec = tree_hybrid_stack_spec(args.num_experts, args.qk_layernorm)
+    """Point a ``HybridModelConfig`` at the tree spec of ``--tree-spec`` (local or TE layers); returns it."""
+    if getattr(args, "tree_spec", "local") == "te":
+        model_cfg.hybrid_stack_spec = tree_te_hybrid_stack_spec()
+    else:
+        model_cfg.hybrid_stack_spec = tree_hybrid_stack_spec(args.num_experts, args.qk_layernorm)
     return model_cfg
 
 

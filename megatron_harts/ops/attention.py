@@ -3,6 +3,11 @@
 ``allowed(q, kv) = kv <= q < subtree_end[kv]`` (DFS layout). Backends: ``torch`` (boolean
 mask in SDPA, O(T^2) memory: CPU and tests) and ``flex`` (FlexAttention block mask built once
 per pack, GPU).
+
+FlexAttention is compiled for static shapes, so the flex path pads each pack to
+:func:`flex_length` tokens (at most 1/16 more): packs of similar size share one compiled kernel
+instead of recompiling for every microbatch. Pad tokens attend only themselves and nobody
+attends them; their rows are dropped from the output.
 """
 from __future__ import annotations
 
@@ -23,28 +28,44 @@ def ancestor_mask(pack: TreePack) -> torch.Tensor:
 
 
 _flex = None
+#: Distinct padded lengths one process may compile FlexAttention for (dynamo's default is 8).
+FLEX_RECOMPILE_LIMIT = 64
 
 
 def _flex_attention():
     global _flex
     if _flex is None:
+        import torch._dynamo as dynamo
         from torch.nn.attention.flex_attention import flex_attention
+        for key in ("recompile_limit", "cache_size_limit"):     # name differs across torch versions
+            if hasattr(dynamo.config, key):
+                setattr(dynamo.config, key, max(getattr(dynamo.config, key), FLEX_RECOMPILE_LIMIT))
         _flex = torch.compile(flex_attention, dynamic=False)
     return _flex
 
 
+def flex_length(T: int, min_step: int = 128) -> int:
+    """T rounded up to a multiple of ``max(min_step, 2**floor(log2 T) / 16)``: 16 padded lengths
+    per octave, each less than T/16 (or ``min_step``) above T."""
+    step = max(min_step, (1 << (max(T, 1).bit_length() - 1)) // 16)
+    return -(-T // step) * step
+
+
 def block_mask(pack: TreePack, block_size: int = 128):
-    """FlexAttention BlockMask of the ancestor predicate (cached on the pack)."""
+    """FlexAttention BlockMask of the ancestor predicate over :func:`flex_length` tokens (pad
+    token j: ``subtree_end = j + 1``, i.e. itself only); cached on the pack."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def build():
-        end = pack.subtree_end
+        T = pack.num_tokens
+        Tp = flex_length(T)
+        end = torch.cat([pack.subtree_end, torch.arange(T + 1, Tp + 1, device=pack.device)])
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
-        T = pack.num_tokens
-        # _compile: evaluate the predicate block by block instead of materialising [T, T].
-        return create_block_mask(mask_mod, None, None, T, T, device=pack.device, BLOCK_SIZE=block_size, _compile=True)
+        # _compile (GPU): evaluate the predicate block by block instead of materialising [T, T].
+        return create_block_mask(mask_mod, None, None, Tp, Tp, device=pack.device, BLOCK_SIZE=block_size,
+                                 _compile=pack.device.type == "cuda")
     return pack.cached(("block_mask", block_size, str(pack.device)), build)
 
 
@@ -66,5 +87,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: Tree
     if backend == "torch":
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=ancestor_mask(pack), scale=scale, enable_gqa=gqa)
     else:
-        o = _flex_attention()(qh, kh, vh, block_mask=block_mask(pack), scale=scale, enable_gqa=gqa)
+        pad = flex_length(T) - T
+        if pad:
+            qh, kh, vh = (F.pad(x, (0, 0, 0, pad)) for x in (qh, kh, vh))
+        o = _flex_attention()(qh, kh, vh, block_mask=block_mask(pack), scale=scale, enable_gqa=gqa)[:, :, :T]
     return o.squeeze(0).transpose(0, 1)
