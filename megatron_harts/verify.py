@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import sys
 
@@ -102,9 +103,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="cuda: layer spec (te = Transformer Engine modules, needs TE)")
     ap.add_argument("--noise-factor", type=float, default=3.0, help="cuda: allowed multiple of the rerun's differences")
     ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--decay-tol", type=float, default=5e-4)
     args = ap.parse_args(argv)
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     if args.model != "tiny" and args.device != "cuda":
         ap.error("--model 1.5b needs --device cuda")
     if args.spec == "te" and args.device != "cuda":

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Several scripts/gpu_run.sh steps in one device call, each with its own time budget, results
+# packed into one archive (the device returns at most 8 files):
+#   scripts/gpu_plan.sh STEP:SECONDS [STEP:SECONDS ...]      e.g.  check:240 e2e-moe:300
+# Step STEP writes into $OUT/STEP/ (log in STEP.log); a step over its budget is stopped by its
+# --watchdog (it dumps its stacks; partial JSON stays) or else by `timeout`, and the next step runs.
+# Everything ends up in $OUT/results.tgz, fla/Triton autotuning archives included.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+for spec in "$@"; do
+  step=${spec%%:*}; secs=${spec##*:}
+  [ "$step" = "$spec" ] && { echo "expected STEP:SECONDS, got $spec" >&2; exit 2; }
+  mkdir -p "$OUT/$step"
+  extra=(--watchdog $((secs - 10)))
+  start=$(date +%s)
+  OUT="$OUT/$step" timeout --kill-after=10 "$secs" bash scripts/gpu_run.sh "$step" "${extra[@]}" \
+    > "$OUT/$step/$step.log" 2>&1
+  echo "[gpu_plan] $step rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/plan.log"
+  tail -n 12 "$OUT/$step/$step.log"
+done
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*)
