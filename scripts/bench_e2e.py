@@ -19,7 +19,7 @@ SwiGLU 6144, vocab 32768); ``moe`` hidden 1024, 'GEGEGE*E' x 3, 16 experts top-2
 Workloads: ``swe`` (``swe_bench_like``, --swe-groups tasks, trajectories <= --swe-max-tokens),
 ``tau`` (``tau_bench_like``), ``sweep`` (``sweep_batch`` at --compressions, --sweep-tokens each).
 FlexAttention (compiled for static shapes) pads each pack internally to ``ops.attention.flex_length``
-tokens (< 1/16 more) on both sides. ``--pad-multiple N`` instead pads whole packs with a dummy chain
+tokens (< 1/8 more) on both sides. ``--pad-multiple N`` instead pads whole packs with a dummy chain
 to a multiple of N tokens through every layer (computed, not counted; the runs of 2026-11-29 used
 8192, which cost the 10x sweep point 24% of its HARTS time).
 
@@ -463,12 +463,12 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 row = bench_row(model, m, rc, wl, data[wl], args_c, device)
             except torch.cuda.OutOfMemoryError as e:     # recorded (e.g. no recomputation), next row runs
-                msg = str(e).splitlines()[0]
-                del e
+                row = None
+                failed.append(dict(model=m, workload=wl, recompute=rc, capacity=cap, error=str(e).splitlines()[0]))
+            if row is None:                              # outside the except: its traceback's tensors are gone
                 model.zero_grad(set_to_none=True)
                 gc.collect()
                 reset_peak(device)
-                failed.append(dict(model=m, workload=wl, recompute=rc, capacity=cap, error=msg))
                 print(f"[e2e] {m} {wl} recompute={rc}: out of memory at capacity {cap}", file=sys.stderr, flush=True)
                 with open(path, "w") as f:
                     json.dump({"meta": meta, "rows": rows, "failed": failed}, f, indent=1)

@@ -167,6 +167,14 @@ def test_te_spec_swaps_in_the_tree_layers_and_keeps_te_modules(monkeypatch):
     assert att.core_attention is TreeCoreAttention and att.linear_qkv is te.TELayerNormColumnParallelLinear
     assert s.mamba_layer.submodules.mixer.module is TreeMambaMixer
     assert s.mamba_layer.submodules.mixer.submodules.in_proj is te.TELayerNormColumnParallelLinear
-    ref = megatron_specs.hybrid_stack_spec          # Megatron's own spec is left alone
-    assert ref.module is HybridStack and ref.submodules.attention_layer.submodules.self_attention.submodules \
-        .core_attention is te.TEDotProductAttention
+    from megatron_harts.moe import TreeMoETransformerLayer, TreeTopKRouter
+    assert s.moe_layer.module is TreeMoETransformerLayer
+    mlp = s.moe_layer.submodules.mlp
+    router = mlp.keywords["submodules"].router if hasattr(mlp, "keywords") else mlp.submodules.router
+    assert router is TreeTopKRouter
+    ref = megatron_specs.hybrid_stack_spec.submodules          # Megatron's own spec is left alone
+    assert megatron_specs.hybrid_stack_spec.module is HybridStack
+    assert ref.attention_layer.submodules.self_attention.submodules.core_attention is te.TEDotProductAttention
+    assert ref.gdn_layer.submodules.self_attention.module is not TreeGatedDeltaNet
+    assert ref.mamba_layer.submodules.mixer.module is not TreeMambaMixer
+    assert ref.moe_layer.module is not TreeMoETransformerLayer

@@ -5,7 +5,7 @@ mask in SDPA, O(T^2) memory: CPU and tests) and ``flex`` (FlexAttention block ma
 per pack, GPU).
 
 FlexAttention is compiled for static shapes, so the flex path pads each pack to
-:func:`flex_length` tokens (at most 1/16 more): packs of similar size share one compiled kernel
+:func:`flex_length` tokens (less than 1/8 more): packs of similar size share one compiled kernel
 instead of recompiling for every microbatch. Pad tokens attend only themselves and nobody
 attends them; their rows are dropped from the output.
 """
@@ -28,8 +28,11 @@ def ancestor_mask(pack: TreePack) -> torch.Tensor:
 
 
 _flex = None
-#: Distinct padded lengths one process may compile FlexAttention for (dynamo's default is 8).
-FLEX_RECOMPILE_LIMIT = 64
+#: FlexAttention compilations one process may make (dynamo's default is 8). Each padded length
+#: compiles once with grad and once without; past the limit dynamo would silently fall back to
+#: eager FlexAttention, which materialises [H, T, T] scores. 8 lengths per octave x 2 modes over
+#: 128 .. 2M tokens stay below it.
+FLEX_RECOMPILE_LIMIT = 256
 
 
 def _flex_attention():
@@ -45,9 +48,9 @@ def _flex_attention():
 
 
 def flex_length(T: int, min_step: int = 128) -> int:
-    """T rounded up to a multiple of ``max(min_step, 2**floor(log2 T) / 16)``: 16 padded lengths
-    per octave, each less than T/16 (or ``min_step``) above T."""
-    step = max(min_step, (1 << (max(T, 1).bit_length() - 1)) // 16)
+    """T rounded up to a multiple of ``max(min_step, 2**floor(log2 T) / 8)``: 8 padded lengths
+    per octave, each less than T/8 (or ``min_step``) above T."""
+    step = max(min_step, (1 << (max(T, 1).bit_length() - 1)) // 8)
     return -(-T // step) * step
 
 
