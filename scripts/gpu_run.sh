@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One GPU benchmark step with fla's saved autotuning (configs/fla/<GPU>) reused and extended.
 #   scripts/gpu_run.sh STEP [extra args]      STEP: check | ops | e2e-swe | e2e-tau | e2e-sweep | e2e-moe
-#                                                   | e2e-norc | verify | calibrate
+#                                                   | e2e-norc | verify | calibrate | pretrain
+# pretrain: 3 iterations of scripts/pretrain_hybrid_harts.py (Megatron's pretrain loop, one GPU, small
+# model, tau-like rollouts) tree-packed and trajectory-wise from the same seed; logs pretrain_tree{1,0}.log
+# (the first iteration's "rl loss" of the two should agree to bf16 noise).
 # Results go to $OUT (default ./out); the tuned configs are also packed into $OUT/fla_configs.tgz
 # (unpack into configs/fla/<GPU> and commit, so the next fresh machine skips autotuning), and
 # Triton's own autotuning results (plain ``triton.autotune`` kernels such as simple GLA's, which
@@ -32,6 +35,15 @@ case "$step" in
   e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_norc.json --models dense --workloads swe,tau --recompute off "${save[@]}" "$@" ;;
   verify)    python3 -m megatron_harts.verify --device cuda --model 1.5b "$@" | tee "$OUT/verify_1p5b.json" ;;
   calibrate) python3 scripts/calibrate_cost.py --out "$OUT/cost_model.json" "$@" ;;
+  pretrain)
+    python3 -m megatron_harts.workloads tau --groups 4 --out "$OUT/rollouts.jsonl"
+    for tree in 1 0; do
+      TREE=$tree NPROC=1 ITERS=3 PATTERN='G*-G-' HIDDEN=512 HEADS=4 FFN=2048 SEQ=32768 VOCAB=32768 \
+        MBS_PER_STEP=2 GROUPS_PER_STEP=4 TORCHRUN="python3 -m torch.distributed.run" \
+        bash scripts/launch_torchrun.sh "$OUT/rollouts.jsonl" --transformer-impl local \
+        --no-gradient-accumulation-fusion --seed 1 "$@" > "$OUT/pretrain_tree$tree.log" 2>&1
+      grep -E "iteration|rl loss|compression|Error|error" "$OUT/pretrain_tree$tree.log" | tail -n 8
+    done ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac || rc=$?
 tar czf "$OUT/fla_configs.tgz" -C "$CFG" . 2>/dev/null || true

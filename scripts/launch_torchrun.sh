@@ -12,7 +12,8 @@
 #   GROUPS_PER_STEP [MBS_PER_STEP] rollout groups (trees) per step, >= MBS_PER_STEP
 #   ITERS [100] LR [1e-6] CHUNK [64] PLANNER [harts]
 #   TREE [1] 1: --tree-packing, 0: trajectory-wise baseline (same code, for A/B runs)
-#   LOAD / SAVE: checkpoint dirs (optional)  EXTRA_PY: python interpreter [python]
+#   LOAD / SAVE: checkpoint dirs (optional)  TORCHRUN [torchrun] launcher command
+#   (e.g. "python3 -m torch.distributed.run" where torchrun is not on PATH)
 # Logged every --log-interval: Megatron's "rl loss", "compression", clip fraction, KL; and per
 # step (logger megatron_harts): trajectory tokens, compact tokens, compression, trajectory tokens/s.
 set -euo pipefail
@@ -21,7 +22,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 NPROC=${NPROC:-8}; TP=${TP:-1}; PP=${PP:-1}
 MBS_PER_STEP=${MBS_PER_STEP:-$(( NPROC / TP / PP ))}
 TREE_FLAG=$([ "${TREE:-1}" = 1 ] && echo --tree-packing || true)
-exec torchrun --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
+exec ${TORCHRUN:-torchrun} --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
   --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
   "$HERE/pretrain_hybrid_harts.py" \
   --tree-trajectories "$DATA" $TREE_FLAG --tree-chunk-size "${CHUNK:-64}" --tree-planner "${PLANNER:-harts}" \
