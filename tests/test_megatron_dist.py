@@ -209,6 +209,8 @@ def test_microbatch_iterator_steps_and_logs(caplog):
         mbs = [next(it) for _ in range(4)]          # two steps
     assert [mb.step for mb in mbs] == [0, 0, 1, 1] and all(mb.pack.compression >= 1 for mb in mbs)
     assert "compression" in caplog.text and "trajectory tokens/s" in caplog.text
+    step0 = [t for g in groups[:4] for t in g]      # the log counts all ranks' compact tokens of the step
+    assert f"{pack(trees_from_trajectories(step0)).num_tokens} compact tokens" in caplog.text
 
 
 # ---------------------------------------------------------------------------- arguments

@@ -57,7 +57,9 @@ class GlobalNormalisers:
 @dataclass
 class TreeMicrobatch:
     """One microbatch: ``pack`` (CPU or device), ``rl`` aligned with ``pack.trajectories``,
-    the step's ``norms``, and ``num_microbatches`` / ``dp_size`` for Megatron's loss scaling."""
+    the step's ``norms``, and ``num_microbatches`` / ``dp_size`` for Megatron's loss scaling;
+    ``stats``: this pack's ``trajectory_tokens`` / ``tokens`` and the whole step's ``step_tokens``
+    (compact tokens over all DP ranks and microbatches; trajectory tokens without tree packing)."""
 
     pack: TreePack
     rl: RLBatch
@@ -120,12 +122,14 @@ def build_step(trajectories: Sequence[Trajectory], *, dp_size: int, dp_rank: int
     trees = trees_from_trajectories(trajectories)
     norms = GlobalNormalisers.of(trajectories)
     layout = pack if tree_packing else pack_trajectories
+    step_tokens = sum(t.num_tokens for t in trees) if tree_packing else sum(len(t) for t in trajectories)
     out = []
     for mb_trees in rank_microbatches(trees, dp_size=dp_size, dp_rank=dp_rank, num_microbatches=num_microbatches,
                                       planner=planner, capacity=capacity, chunk_size=chunk_size):
         p = layout(mb_trees, chunk_size=chunk_size)
         out.append(TreeMicrobatch(p, RLBatch.from_trajectories(p.trajectories), norms, num_microbatches, dp_size,
-                                  step, {"trajectory_tokens": p.num_trajectory_tokens, "tokens": p.num_tokens}))
+                                  step, {"trajectory_tokens": p.num_trajectory_tokens, "tokens": p.num_tokens,
+                                         "step_tokens": step_tokens}))
     return out
 
 
@@ -166,7 +170,7 @@ class TreeMicrobatchIterator:
             if self.log:
                 now = time.perf_counter()
                 traj_tokens = sum(len(t) for t in trajs)
-                compact = pack(trees_from_trajectories(trajs)).num_tokens if self.kw["tree_packing"] else traj_tokens
+                compact = self._queue[0].stats["step_tokens"]      # all ranks' packs of the step
                 rate = f", {traj_tokens / (now - self._t):.1f} trajectory tokens/s" if self._t else ""
                 logger.info("step %d: %d trajectories, %d trajectory tokens, %d compact tokens, "
                             "compression %.2fx%s", self.step, len(trajs), traj_tokens, compact,
