@@ -129,8 +129,8 @@ def test_verify_reversed_rerun_maps_back_to_the_original_order(models):
 
 
 def test_fused_rope_is_refused_for_tree_packs(models, monkeypatch):
-    """TE's fused THD RoPE numbers positions per ``cu_seqlens`` segment; tree packs carry per-token
-    positions, so a model configured with RoPE fusion must refuse them rather than mis-rotate."""
+    """TE's fused THD RoPE is not validated with the per-token rotary table of tree packs (no TE
+    here), so a model configured with RoPE fusion must refuse them rather than risk mis-rotating."""
     model = models["plain"]
     trees = [RolloutTree.from_trajectories(t) for t in CASES["multi_root"]]
     monkeypatch.setattr(model.config, "apply_rope_fusion", True)

@@ -128,16 +128,16 @@ def validate_tree_packing_args(args) -> None:
 
     Also turns RoPE fusion off (Megatron's default is on) when packs of this package are used
     (``--tree-packing`` or ``--tree-trajectories``, whose THD baseline takes the same path): tree
-    packs carry one position per token, while TE's fused THD RoPE numbers positions from 0 in every
-    ``cu_seqlens`` segment, which would silently rotate branch tokens by the wrong angle."""
+    packs carry one position per token (a pre-gathered rotary table), which TE's fused THD RoPE
+    kernel has not been validated with (no TE here); the unfused path is tested."""
     errs = tree_packing_errors(args)
     if errs:
         raise TreePackingArgumentError("invalid arguments for tree packing:\n  - " + "\n  - ".join(errs))
     if getattr(args, "apply_rope_fusion", False) and (getattr(args, "tree_packing", False)
                                                       or getattr(args, "tree_trajectories", None)):
         args.apply_rope_fusion = False
-        logger.warning("tree packs: RoPE fusion turned off (fused THD RoPE restarts positions per segment; "
-                       "tree packs need per-token positions); pass --no-rope-fusion to silence this")
+        logger.warning("tree packs: RoPE fusion turned off (TE's fused THD RoPE is not validated with "
+                       "per-token tree positions); pass --no-rope-fusion to silence this")
     if getattr(args, "tree_packing", False):
         logger.info("tree packing: pattern %r, chunk size %d, planner %s", _pattern(args),
                     args.tree_chunk_size, args.tree_planner)

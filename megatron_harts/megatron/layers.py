@@ -54,8 +54,8 @@ class TreeHybridStack(LocalHybridStack):
                 packed_seq_params=None, **kwargs):
         if isinstance(packed_seq_params, TreePackedSeqParams):
             if rotary_pos_emb is not None and self.config.apply_rope_fusion:
-                raise ValueError("tree packs need apply_rope_fusion=False (--no-rope-fusion): fused THD RoPE "
-                                 "numbers positions per cu_seqlens segment, tree packs carry per-token positions")
+                raise ValueError("tree packs need apply_rope_fusion=False (--no-rope-fusion): TE's fused THD RoPE "
+                                 "is not validated with the per-token rotary table of tree packs")
             if self._has_mamba:
                 raise NotImplementedError("tree packs through Mamba2 ('M') layers need mamba.TreeMambaMixer")
             if rotary_pos_emb is not None:
