@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Several scripts/gpu_run.sh steps in one device call, each with its own time budget, results
 # packed into one archive (the device returns at most 8 files):
-#   scripts/gpu_plan.sh STEP:SECONDS [STEP:SECONDS ...]      e.g.  check:240 e2e-moe:300
+#   scripts/gpu_plan.sh STEP:SECONDS[:ARGS] ...   e.g.  check:240:"--ops conv,attention" e2e-moe:300
+# (ARGS: extra arguments of that step, split on spaces)
 # Step STEP writes into $OUT/STEP/ (log in STEP.log); a step over its budget is stopped by its
 # --watchdog (it dumps its stacks; partial JSON stays) or else by `timeout`, and the next step runs.
 # Everything ends up in $OUT/results.tgz, fla/Triton autotuning archives included.
@@ -10,11 +11,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 for spec in "$@"; do
-  step=${spec%%:*}; secs=${spec##*:}
-  [ "$step" = "$spec" ] && { echo "expected STEP:SECONDS, got $spec" >&2; exit 2; }
+  IFS=: read -r step secs args <<< "$spec"
+  [[ "$secs" =~ ^[0-9]+$ ]] || { echo "expected STEP:SECONDS[:ARGS], got $spec" >&2; exit 2; }
   mkdir -p "$OUT/$step"
   extra=(--watchdog $((secs - 10)))
   [ "$step" = pretrain ] && extra=()        # Megatron's parser: the step relies on `timeout` alone
+  read -r -a more <<< "${args:-}"
+  extra+=("${more[@]}")
   start=$(date +%s)
   OUT="$OUT/$step" timeout --kill-after=10 "$secs" bash scripts/gpu_run.sh "$step" "${extra[@]}" \
     > "$OUT/$step/$step.log" 2>&1
