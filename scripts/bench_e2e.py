@@ -4,8 +4,9 @@ Both sides run the same model and weights on the same global batch (GRPO-style r
   harts     trees packed per microbatch by ``megatron_harts.planner.plan`` (compact + replay tokens
             <= --capacity), ``pack`` layout (shared prefixes computed once)
   baseline  the same trajectories, each its own chain (``pack`` of un-merged trees = THD packing
-            through the same tree layers, which reduce to varlen GDN / document-causal attention),
-            balanced into microbatches of <= --capacity trajectory tokens by LPT on tokens
+            through the same tree layers, which reduce to varlen GDN and, for attention,
+            FlashAttention varlen where torch has it, else FlexAttention with the document-causal
+            mask), balanced into microbatches of <= --capacity trajectory tokens by LPT on tokens
 Per (model, workload, recompute): forward / backward ms summed over microbatches (gradient time,
 optimizer excluded; ``step`` adds one fused AdamW step, lr 0 so weights stay put), trajectory
 tokens/s, peak memory (GiB), linear-attention rounds (sum over microbatches of each GDN layer's
@@ -151,6 +152,16 @@ def build_model(name: str, recompute: bool, args, max_len: int):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     model_parallel_cuda_manual_seed(args.seed)
     return build_gpu_hybrid_model(pattern, args.vocab, max_len, **over)
+
+
+def baseline_attention(device) -> str:
+    """Attention kernel of the trajectory-wise packs: FlashAttention varlen where torch has it and
+    it ran, else FlexAttention (document-causal mask); the torch reference on CPU."""
+    from megatron_harts.ops import attention
+
+    if device.type != "cuda":
+        return "torch"
+    return "flex" if attention._varlen_failed or attention._varlen_attn() is None else "varlen"
 
 
 def cost_model_for(name: str, args) -> CostModel:
@@ -349,7 +360,8 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
     m = metas[0] if metas else {}
     lines = ["# End-to-end: HARTS vs trajectory-wise training step (H200)", "",
              f"Machine: {m.get('device', '?')}; torch {m.get('torch', '?')}; bf16; chunk {m.get('chunk_size')}; "
-             f"microbatch capacity {m.get('capacity')} tokens; median of {m.get('max_steps')} steps after warm-up. "
+             f"microbatch capacity {m.get('capacity')} tokens; median of {m.get('max_steps')} steps after warm-up; "
+             f"baseline attention: {rows[0].get('baseline_attention', 'flex') if rows else '?'}. "
              "Times are forward + backward over all microbatches of the global batch (gradient, optimizer "
              "excluded; `w/ opt` adds one AdamW step to both sides). Produced by `scripts/bench_e2e.py`; raw "
              "numbers in the JSON next to this file.", ""] + table(rows)
@@ -473,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                 with open(path, "w") as f:
                     json.dump({"meta": meta, "rows": rows, "failed": failed}, f, indent=1)
                 continue
-            row.update(capacity=cap, wall_s=time.perf_counter() - t0)
+            row.update(capacity=cap, wall_s=time.perf_counter() - t0, baseline_attention=baseline_attention(device))
             rows.append(row)
             with open(path, "w") as f:
                 json.dump({"meta": meta, "rows": rows, "failed": failed}, f, indent=1)

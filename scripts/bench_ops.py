@@ -4,7 +4,8 @@ For trees of compression 2x..10x at 32K..256K trajectory tokens (H=16 heads, K=V
   gdn        tree_gated_delta_rule (fla, rounds)        vs fla chunk_gated_delta_rule varlen
   simple_gla tree_simple_gla (fla, rounds)              vs fla chunk_simple_gla varlen
   conv       tree_causal_conv1d (fla conv + fix rows)   vs fla causal_conv1d varlen
-  attention  tree_attention (FlexAttention, ancestors)  vs FlexAttention, document-causal mask
+  attention  tree_attention (FlexAttention, ancestors)  vs the faster of FlexAttention (document-causal
+             mask) and FlashAttention varlen (torch.nn.attention.varlen; both in the JSON)
 Target: tree time <= trajectory time / (0.9 x compression). Prints a table last and writes
 ``ops.json`` to ``--out``; ``--plot`` renders ``ops.md`` + ``ops.png`` from such a JSON (no GPU).
 
@@ -66,6 +67,7 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
 
     from megatron_harts.ops import (chunk_plan, tree_attention, tree_causal_conv1d, tree_gated_delta_rule,
                                     tree_simple_gla)
+    from megatron_harts.ops.attention import varlen_applies
     from megatron_harts.packing import pack, pack_trajectories
     from megatron_harts.tree import RolloutTree
     from megatron_harts.workloads import sweep_trees
@@ -95,13 +97,21 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
         print(f"  {op:<10} {N:>7} tok {N / T:5.2f}x  tree {tree_ms:8.2f} ms  traj {traj_ms:8.2f} ms  "
               f"speedup {r['speedup']:5.2f} (target {r['target']:.2f})", flush=True)
 
-    def pair(op, make_inputs, tree_fn, traj_fn, fp32=()):
+    def pair(op, make_inputs, tree_fn, traj_fn, fp32=(), traj_alternatives=None):
+        """``traj_alternatives`` {name: fn}: other trajectory-wise kernels; the fastest is the baseline."""
         base = make_inputs()
         tl = [leaf(x, torch.float32 if i in fp32 else bf) for i, x in enumerate(base)]
         jl = [leaf(x[idx] if x.shape[0] == T else x, torch.float32 if i in fp32 else bf) for i, x in enumerate(base)]
         tree_ms = time_fwd_bwd(lambda: tree_fn(*tl), tl, args.reps)
         traj_ms = time_fwd_bwd(lambda: traj_fn(*jl), jl, args.reps)
-        record(op, tree_ms, traj_ms)
+        alt = {}
+        for name, fn in (traj_alternatives or {}).items():
+            try:
+                alt[name] = time_fwd_bwd(lambda: fn(*jl), jl, args.reps)
+            except (RuntimeError, NotImplementedError) as e:
+                print(f"  {op}: trajectory-wise {name} failed ({e}); not a baseline", flush=True)
+        extra = {f"traj_{name}_ms": ms for name, ms in alt.items()}
+        record(op, tree_ms, min([traj_ms, *alt.values()]), **extra)
         if op in args.profile:
             for side, fn, leaves in (("tree", tree_fn, tl), ("traj", traj_fn, jl)):
                 name = f"profile_{op}_{N // 1024}k_{N / T:.0f}x_{side}.txt"
@@ -129,7 +139,9 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
         hkv = max(1, H // 4)
         pair("attention", lambda: [torch.randn(T, H, K, device=dev), torch.randn(T, hkv, K, device=dev),
                                    torch.randn(T, hkv, K, device=dev)],
-             lambda *x: tree_attention(*x, p, backend="flex"), lambda *x: tree_attention(*x, pt, backend="flex"))
+             lambda *x: tree_attention(*x, p, backend="flex"), lambda *x: tree_attention(*x, pt, backend="flex"),
+             traj_alternatives={"varlen": lambda *x: tree_attention(*x, pt, backend="varlen")}
+             if varlen_applies(torch.empty(1, device=dev, dtype=bf), pt) else None)
     torch.cuda.empty_cache()
     return rows
 

@@ -90,7 +90,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--ops", default="gdn,simple_gla,conv,attention,logprobs")
+    ap.add_argument("--ops", default="gdn,simple_gla,conv,attention,attention_varlen,logprobs",
+                    help="attention_varlen: trajectory-wise side on FlashAttention varlen (torch >= 2.10)")
     add_save_fla_configs_arg(ap)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args()
@@ -146,6 +147,11 @@ def main():
                       lambda *x: tree_attention(*x, p, backend="flex"),
                       lambda *x: tree_attention(*x, pt, backend="flex"),
                       lambda *x: tree_attention(*x, pt, backend="torch"), ()),
+        "attention_varlen": (lambda: [torch.randn(T, 16, 128, device=dev), torch.randn(T, 4, 128, device=dev),
+                                      torch.randn(T, 4, 128, device=dev)], 3,
+                             lambda *x: tree_attention(*x, p, backend="flex"),
+                             lambda *x: tree_attention(*x, pt, backend="varlen"),
+                             lambda *x: tree_attention(*x, pt, backend="torch"), ()),
         "logprobs": (lambda: [4 * torch.randn(T, V, device=dev)], 1,
                      lambda l: node_logprobs(l, p)[:, None], lambda l: node_logprobs(l, pt)[:, None],
                      lambda l: node_logprobs(l, pt)[:, None], ()),

@@ -203,6 +203,56 @@ def test_attention_flex_path_forward(case, monkeypatch):
         assert _rel(out[idx], want) < TOL
 
 
+def _fake_varlen(new_api: bool):
+    """CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention, CUDA only) with the
+    signature of torch >= 2.11 (``window_size``, ``scale``, ``enable_gqa``) or 2.10 (``is_causal``):
+    causal SDPA per segment, so the glue (segments, GQA, scale, layout) is what gets tested."""
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa, causal):
+        assert causal and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        assert max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+        if not gqa:
+            assert q.shape[1] == k.shape[1], "GQA must be expanded without enable_gqa"
+        out = []
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
+            out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                      enable_gqa=gqa).transpose(0, 1))
+        return torch.cat(out)
+    if new_api:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, enable_gqa,
+                          tuple(window_size) == (-1, 0))
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, None, False, is_causal)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("new_api", [True, False], ids=["torch>=2.11", "torch2.10"])
+def test_attention_varlen_path_on_trajectory_packs(new_api, monkeypatch):
+    """The ``varlen`` backend (THD baseline) through a CPU stand-in of ``varlen_attn``: trajectory-wise
+    packs match each trajectory alone; tree packs are refused."""
+    from megatron_harts.ops import attention
+    from megatron_harts.packing import pack_trajectories
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: _fake_varlen(new_api))
+    trees = [RolloutTree.from_trajectories(t) for t in (corner_cases(8)["deep"], corner_cases(8)["multi_root"])]
+    pt = pack_trajectories(trees, chunk_size=8)
+    assert attention.is_chain_pack(pt) and not attention.is_chain_pack(pack(trees, chunk_size=8))
+    g = torch.Generator().manual_seed(2)
+    T = pt.num_tokens
+    q, k, v = torch.randn(T, 4, 8, generator=g), torch.randn(T, 2, 8, generator=g), torch.randn(T, 2, 8, generator=g)
+    out = tree_attention(q, k, v, pt, scale=0.3, backend="varlen")
+    assert out.shape == (T, 4, 8)
+    for idx in pt.index_of_trajectory:
+        want = ref.causal_attention(q[idx].double(), k[idx].double(), v[idx].double(), scale=0.3)
+        assert _rel(out[idx], want) < TOL
+    p = pack(trees, chunk_size=8)
+    with pytest.raises(ValueError, match="without branches"):
+        tree_attention(q[:p.num_tokens], k[:p.num_tokens], v[:p.num_tokens], p, backend="varlen")
+    assert not attention.varlen_applies(q, pt)          # CPU fp32: auto keeps the torch path
+
+
 @given(trajectory_sets(chunk_size=4), st.integers(0, 3))
 def test_token_logprobs_random_trees(trajs, seed):
     p = _pack(trajs, 4)

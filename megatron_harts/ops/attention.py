@@ -1,8 +1,11 @@
 """Tree-aware softmax attention: q attends kv iff kv is an ancestor-or-self of q.
 
 ``allowed(q, kv) = kv <= q < subtree_end[kv]`` (DFS layout). Backends: ``torch`` (boolean
-mask in SDPA, O(T^2) memory: CPU and tests) and ``flex`` (FlexAttention block mask built once
-per pack, GPU).
+mask in SDPA, O(T^2) memory: CPU and tests), ``flex`` (FlexAttention block mask built once
+per pack, GPU) and ``varlen`` (FlashAttention varlen through ``torch.nn.attention.varlen``, GPU,
+bf16/fp16, only for packs without branches, where the ancestor mask is the document-causal mask:
+the trajectory-wise THD baseline gets the kernel Megatron/TE users run). ``auto`` on CUDA picks
+``varlen`` where it applies, else ``flex``.
 
 FlexAttention is compiled for static shapes, so the flex path pads each pack to
 :func:`flex_length` tokens (less than 1/8 more): packs of similar size share one compiled kernel
@@ -11,12 +14,18 @@ attends them; their rows are dropped from the output.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from ..packing import TreePack
 
-BACKENDS = ("auto", "torch", "flex")
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "flex", "varlen")
 
 
 def ancestor_mask(pack: TreePack) -> torch.Tensor:
@@ -72,6 +81,67 @@ def block_mask(pack: TreePack, block_size: int = 128):
     return pack.cached(("block_mask", block_size, str(pack.device)), build)
 
 
+def is_chain_pack(pack: TreePack) -> bool:
+    """Every root subtree is a single path (no branches): the layout of ``pack_trajectories``."""
+    def build():
+        idx = torch.arange(pack.num_tokens, device=pack.parent.device)
+        return bool(((pack.parent == idx - 1) | (pack.parent < 0)).all())
+    return pack.cached(("is_chain_pack",), build)
+
+
+def _segments(pack: TreePack) -> tuple[torch.Tensor, int]:
+    """int32 ``cu_seqlens`` ``[R + 1]`` of the root segments and the longest one (host int)."""
+    def build():
+        roots = torch.nonzero(pack.parent < 0).flatten()
+        cu = torch.cat([roots, roots.new_tensor([pack.num_tokens])]).to(torch.int32)
+        return cu, int((cu[1:] - cu[:-1]).max())
+    return pack.cached(("attention_segments", str(pack.device)), build)
+
+
+def _varlen_attn():
+    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+_varlen_failed: str | None = None     # first error of varlen under ``auto``: later calls use flex
+
+
+def varlen_applies(q: torch.Tensor, pack: TreePack) -> bool:
+    """Whether the ``varlen`` backend can run these inputs (see module docstring)."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_failed is None
+            and _varlen_attn() is not None and is_chain_pack(pack))
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _causal_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None) -> torch.Tensor:
+    """Document-causal attention over segments ``cu``; q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``.
+    Bridges the ``varlen_attn`` signatures of torch 2.10 (``is_causal``) and later (``window_size``,
+    ``scale``, ``enable_gqa``)."""
+    fn = _varlen_attn()
+    params = _parameters(fn)
+    kw = dict(window_size=(-1, 0)) if "window_size" in params else dict(is_causal=True)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if scale is not None:
+        if "scale" in params:
+            kw["scale"] = scale
+        else:
+            q = q * (scale * q.shape[-1] ** 0.5)
+    return fn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: TreePack, *,
                    scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (Hq a multiple of Hkv) -> ``[T, Hq, Dv]``."""
@@ -84,7 +154,25 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: Tree
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = "flex" if q.device.type == "cuda" else "torch"
+        if q.device.type != "cuda":
+            backend = "torch"
+        elif varlen_applies(q, pack):
+            try:
+                return _causal_varlen(q, k, v, *_segments(pack), scale)
+            except (RuntimeError, NotImplementedError) as e:   # e.g. no FlashAttention build for this GPU
+                global _varlen_failed
+                _varlen_failed = f"{type(e).__name__}: {e}"
+                logger.warning("FlashAttention varlen failed (%s); trajectory packs use FlexAttention", e)
+                backend = "flex"
+        else:
+            backend = "flex"
+    if backend == "varlen":
+        if not is_chain_pack(pack):
+            raise ValueError("backend='varlen' needs a pack without branches (pack_trajectories); "
+                             "tree packs need 'flex' or 'torch'")
+        if _varlen_attn() is None:
+            raise RuntimeError("backend='varlen' needs torch.nn.attention.varlen (torch >= 2.10)")
+        return _causal_varlen(q, k, v, *_segments(pack), scale)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     if backend == "torch":
