@@ -98,7 +98,8 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
               f"speedup {r['speedup']:5.2f} (target {r['target']:.2f})", flush=True)
 
     def pair(op, make_inputs, tree_fn, traj_fn, fp32=(), traj_alternatives=None):
-        """``traj_alternatives`` {name: fn}: other trajectory-wise kernels; the fastest is the baseline."""
+        """``traj_alternatives`` {name: fn}: other trajectory-wise kernels; the fastest is the baseline
+        (``traj_ms``; each time is kept: ``traj_main_ms`` for ``traj_fn``, ``traj_<name>_ms``)."""
         base = make_inputs()
         tl = [leaf(x, torch.float32 if i in fp32 else bf) for i, x in enumerate(base)]
         jl = [leaf(x[idx] if x.shape[0] == T else x, torch.float32 if i in fp32 else bf) for i, x in enumerate(base)]
@@ -111,6 +112,8 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
             except (RuntimeError, NotImplementedError) as e:
                 print(f"  {op}: trajectory-wise {name} failed ({e}); not a baseline", flush=True)
         extra = {f"traj_{name}_ms": ms for name, ms in alt.items()}
+        if alt:
+            extra["traj_main_ms"] = traj_ms
         record(op, tree_ms, min([traj_ms, *alt.values()]), **extra)
         if op in args.profile:
             for side, fn, leaves in (("tree", tree_fn, tl), ("traj", traj_fn, jl)):

@@ -218,7 +218,12 @@ def _fake_varlen(new_api: bool):
             out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                       enable_gqa=gqa).transpose(0, 1))
         return torch.cat(out)
-    if new_api:
+    if new_api == "window_only":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                        window_size=(-1, -1)):
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, None, False,
+                          tuple(window_size) == (-1, 0))
+    elif new_api:
         def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                         window_size=(-1, -1), enable_gqa=False):
             return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, enable_gqa,
@@ -229,7 +234,7 @@ def _fake_varlen(new_api: bool):
     return varlen_attn
 
 
-@pytest.mark.parametrize("new_api", [True, False], ids=["torch>=2.11", "torch2.10"])
+@pytest.mark.parametrize("new_api", [True, "window_only", False], ids=["torch2.14", "window-only", "torch2.10"])
 def test_attention_varlen_path_on_trajectory_packs(new_api, monkeypatch):
     """The ``varlen`` backend (THD baseline) through a CPU stand-in of ``varlen_attn``: trajectory-wise
     packs match each trajectory alone; tree packs are refused."""

@@ -59,7 +59,8 @@ class TreeMicrobatch:
     """One microbatch: ``pack`` (CPU or device), ``rl`` aligned with ``pack.trajectories``,
     the step's ``norms``, and ``num_microbatches`` / ``dp_size`` for Megatron's loss scaling;
     ``stats``: this pack's ``trajectory_tokens`` / ``tokens`` and the whole step's ``step_tokens``
-    (compact tokens over all DP ranks and microbatches; trajectory tokens without tree packing)."""
+    (compact tokens of the step's trees before the planner splits any, whose parts replay their
+    shared prefix; trajectory tokens without tree packing)."""
 
     pack: TreePack
     rl: RLBatch
@@ -170,7 +171,7 @@ class TreeMicrobatchIterator:
             if self.log:
                 now = time.perf_counter()
                 traj_tokens = sum(len(t) for t in trajs)
-                compact = self._queue[0].stats["step_tokens"]      # all ranks' packs of the step
+                compact = self._queue[0].stats["step_tokens"]      # the step's trees, unsplit
                 rate = f", {traj_tokens / (now - self._t):.1f} trajectory tokens/s" if self._t else ""
                 logger.info("step %d: %d trajectories, %d trajectory tokens, %d compact tokens, "
                             "compression %.2fx%s", self.step, len(trajs), traj_tokens, compact,

@@ -36,12 +36,13 @@ def tree_packed_seq_params(pack: TreePack) -> TreePackedSeqParams:
     ``cu_seqlens_q/kv_padded`` = ``[0, T]``: ``SelfAttention`` reads them (when set) only to apply
     RoPE, whose table :class:`~megatron_harts.megatron.layers.TreeHybridStack` has already gathered
     per token; one segment makes Megatron's THD RoPE a single op (instead of a Python loop with a
-    host sync per segment), exact for trees and trajectories alike.
+    host sync per segment), exact for trees and trajectories alike. They live on the host, where
+    Megatron's unfused THD RoPE reads them (``.tolist()`` / ``.item()``) without a device sync.
     """
     T = pack.num_tokens
     roots = torch.nonzero(pack.parent < 0).flatten()
     cu = torch.cat([roots, roots.new_tensor([T])]).to(torch.int32)
-    whole = torch.tensor([0, T], dtype=torch.int32, device=cu.device)
+    whole = torch.tensor([0, T], dtype=torch.int32)     # host: Megatron's THD RoPE reads it with .item()
     max_len = int(pack.trajectory_lengths.max())
     return TreePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
                                cu_seqlens_kv_padded=whole, max_seqlen_q=max_len, max_seqlen_kv=max_len,

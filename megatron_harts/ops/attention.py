@@ -159,6 +159,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: Tree
         elif varlen_applies(q, pack):
             try:
                 return _causal_varlen(q, k, v, *_segments(pack), scale)
+            except torch.OutOfMemoryError:
+                raise
             except (RuntimeError, NotImplementedError) as e:   # e.g. no FlashAttention build for this GPU
                 global _varlen_failed
                 _varlen_failed = f"{type(e).__name__}: {e}"
