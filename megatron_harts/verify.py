@@ -5,7 +5,8 @@
 ``tree_hybrid_stack_spec``, runs the same weights on ``pack_trajectories(trees)`` (every
 trajectory its own chain: THD packing) and on ``pack(trees)``, and prints one JSON line::
 
-    {"max_logprob_abs_diff", "loss_rel_diff", "max_grad_rel_diff", "worst_grad", "compression"}
+    {"max_logprob_abs_diff", "loss_rel_diff", "max_grad_rel_diff", "worst_grad",
+     "max_grad_rel_diff_non_decay", "compression"}          (CUDA adds "baseline_rerun", "params")
 
 CPU (default): tiny fp32 model through ``cpu_shim``, torch backends, tolerances below. CUDA: bf16
 (``--model 1.5b``: the 1.48B ``HYBRID_1P5B`` preset with ``--pattern`` ignored), fla and

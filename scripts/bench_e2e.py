@@ -20,7 +20,7 @@ SwiGLU 6144, vocab 32768); ``moe`` hidden 1024, 'GEGEGE*E' x 3, 16 experts top-2
 Workloads: ``swe`` (``swe_bench_like``, --swe-groups tasks, trajectories <= --swe-max-tokens),
 ``tau`` (``tau_bench_like``), ``sweep`` (``sweep_batch`` at --compressions, --sweep-tokens each).
 FlexAttention (compiled for static shapes) pads each pack internally to ``ops.attention.flex_length``
-tokens (< 1/8 more) on both sides. ``--pad-multiple N`` instead pads whole packs with a dummy chain
+tokens (< 1/8 more above 1K tokens) on both sides. ``--pad-multiple N`` instead pads whole packs with a dummy chain
 to a multiple of N tokens through every layer (computed, not counted; the runs of 2026-11-29 used
 8192, which cost the 10x sweep point 24% of its HARTS time).
 
@@ -361,7 +361,9 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
     lines = ["# End-to-end: HARTS vs trajectory-wise training step (H200)", "",
              f"Machine: {m.get('device', '?')}; torch {m.get('torch', '?')}; bf16; chunk {m.get('chunk_size')}; "
              f"microbatch capacity {m.get('capacity')} tokens; median of {m.get('max_steps')} steps after warm-up; "
-             f"baseline attention: {rows[0].get('baseline_attention', 'flex') if rows else '?'}. "
+             f"baseline attention: {rows[0].get('baseline_attention', 'flex') if rows else '?'}"
+             + (f"; packs padded to a multiple of {m['pad_multiple']} tokens" if m.get("pad_multiple") else "")
+             + ". "
              "Times are forward + backward over all microbatches of the global batch (gradient, optimizer "
              "excluded; `w/ opt` adds one AdamW step to both sides). Produced by `scripts/bench_e2e.py`; raw "
              "numbers in the JSON next to this file.", ""] + table(rows)

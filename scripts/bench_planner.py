@@ -5,7 +5,7 @@ prefixes, see planner/split.py), not as token tries: 10,000 trees of 1M-100M tra
 with heavy-tailed sizes (log-normal or Pareto tree scale). For the 1M case the same trees are
 also built as real RolloutTrees to time ``tree_stats`` and check it reproduces the statistics.
 
-Measured on the same trees and cost model (FLOPs, fwd + bwd, from a 48-layer 3:1 GDN/attention
+Measured on the same trees and cost model (FLOPs, fwd + bwd, from a 96-layer (48 mixers + 48 MLPs) 3:1 GDN/attention
 pattern): plan time of ``plan()`` on 64 ranks, imbalance (max rank cost / mean), slot imbalance
 (sum over slots of max rank cost / sum of mean), against
   traj-tokens  trajectory-wise packing balanced by tokens (every trajectory a sequence, LPT on
@@ -207,7 +207,7 @@ DOC_HEAD = """# Tree planner benchmark (CPU)
 `python scripts/bench_planner.py --out docs/benchmarks` (one core of the dev box). 10,000 trees
 given as *statistics* (DFS-ordered trajectory lengths + common prefixes; real RolloutTrees are
 built only for the 1M-token case, to time `tree_stats` on them), 64 DP ranks, microbatch
-capacity 65,536 compact + replay tokens, cost = FLOPs (fwd + bwd) of a 48-layer 3:1
+capacity 65,536 compact + replay tokens, cost = FLOPs (fwd + bwd) of a 96-layer (48 mixers + 48 MLPs) 3:1
 GDN/attention model (hidden 2048, `CostModel.from_pattern`). Imbalance = max rank cost / mean;
 slot imbalance = sum over slots of the max rank cost / sum of the mean; step = max rank cost
 relative to HARTS (>1 = slower than HARTS). Baselines: `traj-tokens` every trajectory its own

@@ -1,7 +1,7 @@
 """bf16 equivalence of the fast tree ops (fla / FlexAttention) on a GPU.
 
 For each op: the tree-packed fast path and the trajectory-wise fast path (same kernels, varlen
-over trajectories), both in bf16, against an fp32 trajectory-wise reference (torch backend).
+over trajectories; ``attention_varlen``: the trajectory side on FlashAttention varlen), both in bf16, against an fp32 trajectory-wise reference (torch backend).
 Reports max abs / relative error of outputs and of every input gradient; the tree error should
 be of the size of the trajectory-wise error. Writes ``ops_check.json`` to ``--out``.
 

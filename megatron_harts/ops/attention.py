@@ -8,7 +8,7 @@ the trajectory-wise THD baseline gets the kernel Megatron/TE users run). ``auto`
 ``varlen`` where it applies, else ``flex``.
 
 FlexAttention is compiled for static shapes, so the flex path pads each pack to
-:func:`flex_length` tokens (less than 1/8 more): packs of similar size share one compiled kernel
+:func:`flex_length` tokens (less than 1/8 more, or a multiple of 128 below 1K tokens): packs of similar size share one compiled kernel
 instead of recompiling for every microbatch. Pad tokens attend only themselves and nobody
 attends them; their rows are dropped from the output.
 """
