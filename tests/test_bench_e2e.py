@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,3 +35,32 @@ def test_bench_e2e_cpu_smoke(tmp_path):
                            str(tmp_path / "e2e.json"), "--out", str(tmp_path)], capture_output=True, text=True)
     assert plot.returncode == 0, plot.stderr[-3000:]
     assert (tmp_path / "e2e.md").read_text().count("| dense |") == 2 and (tmp_path / "e2e.png").stat().st_size > 0
+
+
+def test_bench_e2e_records_an_out_of_memory_row_and_goes_on(tmp_path, monkeypatch):
+    """A row that raises CUDA's OutOfMemoryError lands under ``failed`` (and in e2e.md); the next row runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "scripts", "bench_e2e.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real = bench.bench_row
+
+    def bench_row(model, model_name, recompute, wl, *a, **k):
+        if recompute:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB")
+        return real(model, model_name, recompute, wl, *a, **k)
+
+    monkeypatch.setattr(bench, "bench_row", bench_row)
+    dynamo_disabled = torch._dynamo.config.disable          # main() turns dynamo off on CPU: restore it
+    try:
+        assert bench.main(["--device", "cpu", "--tiny", "--models", "dense", "--workloads", "tau", "--recompute",
+                           "both", "--max-steps", "1", "--no-rerun", "--out", str(tmp_path)]) == 0
+    finally:
+        torch._dynamo.config.disable = dynamo_disabled
+    data = json.loads((tmp_path / "e2e.json").read_text())
+    assert [r["recompute"] for r in data["rows"]] == [False]
+    assert data["failed"] == [dict(model="dense", workload="tau", recompute=True, capacity=256,
+                                   error="CUDA out of memory. Tried to allocate 80 GiB")]
+    assert bench.main(["--plot", str(tmp_path / "e2e.json"), "--out", str(tmp_path)]) == 0
+    assert "Not measured: dense tau recompute on (out of memory" in (tmp_path / "e2e.md").read_text()

@@ -40,8 +40,7 @@ def tree_packed_seq_params(pack: TreePack) -> TreePackedSeqParams:
     Megatron's unfused THD RoPE reads them (``.tolist()`` / ``.item()``) without a device sync.
     """
     T = pack.num_tokens
-    roots = torch.nonzero(pack.parent < 0).flatten()
-    cu = torch.cat([roots, roots.new_tensor([T])]).to(torch.int32)
+    cu = pack.root_cu_seqlens
     whole = torch.tensor([0, T], dtype=torch.int32)     # host: Megatron's THD RoPE reads it with .item()
     max_len = int(pack.trajectory_lengths.max())
     return TreePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,

@@ -8,8 +8,8 @@ the trajectory-wise THD baseline gets the kernel Megatron/TE users run). ``auto`
 ``varlen`` where it applies, else ``flex``.
 
 FlexAttention is compiled for static shapes, so the flex path pads each pack to
-:func:`flex_length` tokens (less than 1/8 more, or a multiple of 128 below 1K tokens): packs of similar size share one compiled kernel
-instead of recompiling for every microbatch. Pad tokens attend only themselves and nobody
+:func:`flex_length` tokens (less than 1/8 more, or a multiple of 128 below 1K tokens): packs
+of similar size share one compiled kernel instead of recompiling for every microbatch. Pad tokens attend only themselves and nobody
 attends them; their rows are dropped from the output.
 """
 from __future__ import annotations
@@ -92,8 +92,7 @@ def is_chain_pack(pack: TreePack) -> bool:
 def _segments(pack: TreePack) -> tuple[torch.Tensor, int]:
     """int32 ``cu_seqlens`` ``[R + 1]`` of the root segments and the longest one (host int)."""
     def build():
-        roots = torch.nonzero(pack.parent < 0).flatten()
-        cu = torch.cat([roots, roots.new_tensor([pack.num_tokens])]).to(torch.int32)
+        cu = pack.root_cu_seqlens
         return cu, int((cu[1:] - cu[:-1]).max())
     return pack.cached(("attention_segments", str(pack.device)), build)
 

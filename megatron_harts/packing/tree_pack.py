@@ -64,6 +64,15 @@ class TreePack:
     def device(self) -> torch.device:
         return self.tokens.device
 
+    @property
+    def root_cu_seqlens(self) -> torch.Tensor:
+        """int32 ``[R + 1]`` offsets of the R root subtrees, the contiguous independent segments of
+        the layout (for ``pack_trajectories`` output: the trajectories). Cached."""
+        def build():
+            roots = torch.nonzero(self.parent < 0).flatten()
+            return torch.cat([roots, roots.new_tensor([self.num_tokens])]).to(torch.int32)
+        return self.cached(("root_cu_seqlens", str(self.device)), build)
+
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """Return the plan stored under ``key``, building it once with ``build()``."""
         if key not in self._cache:
