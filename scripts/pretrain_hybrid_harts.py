@@ -31,7 +31,7 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 
 from megatron_harts.megatron.arguments import add_tree_packing_args, validate_tree_packing_args  # noqa: E402
 from megatron_harts.megatron.training import (configure_model, forward_step,  # noqa: E402
-                                              train_valid_test_datasets_provider)
+                                              train_valid_test_datasets_provider, use_prebuilt_dataset_helpers)
 
 
 def main():
@@ -45,6 +45,7 @@ def main():
         raise SystemExit("--micro-batch-size must be 1 (one [1, T] pack per microbatch)")
     if args.dataloader_type != "external":
         raise SystemExit("--dataloader-type must be 'external' (the tree iterator is passed through)")
+    use_prebuilt_dataset_helpers()
     model_cfg = configure_model(args, hybrid_config_from_args(args))
     pretrain(pretrain_cfg_container_from_args(args, model_cfg), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step)

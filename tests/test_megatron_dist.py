@@ -278,3 +278,18 @@ def test_args_layers_without_tree_path():
     ok = add_tree_packing_args(argparse.ArgumentParser()).parse_args(["--tree-packing"])
     ok.hybrid_layer_pattern = "GM*E-"
     validate_tree_packing_args(ok)
+
+
+def test_prebuilt_dataset_helpers_skip_the_make_step(monkeypatch, tmp_path):
+    """The wheel has helpers_cpp but no Makefile: Megatron's rank-0 ``make`` (which exits on failure)
+    is replaced by a no-op; with a Makefile present (a source checkout) nothing changes."""
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron_harts.megatron.training import use_prebuilt_dataset_helpers
+    original = dataset_utils.compile_helpers
+    monkeypatch.setattr(dataset_utils, "compile_helpers", original)
+    (tmp_path / "Makefile").write_text("all:\n")
+    monkeypatch.setattr(dataset_utils, "__file__", str(tmp_path / "utils.py"))
+    assert not use_prebuilt_dataset_helpers() and dataset_utils.compile_helpers is original
+    (tmp_path / "Makefile").unlink()
+    assert use_prebuilt_dataset_helpers() and dataset_utils.compile_helpers is not original
+    dataset_utils.compile_helpers()                 # no make, no SystemExit

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 from functools import partial
 
@@ -19,6 +20,26 @@ from .batch import TreeMicrobatchIterator, group_trajectories, model_inputs, rl_
 from .specs import tree_hybrid_stack_spec, tree_te_hybrid_stack_spec
 
 logger = logging.getLogger(__name__)
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """Let ``initialize_megatron`` run from the megatron-core wheel: it builds
+    ``megatron/core/datasets/helpers_cpp`` with ``make`` on rank 0 and exits when that fails, but the
+    wheel ships the compiled module without the Makefile. When the Makefile is absent and the
+    prebuilt module imports, the build step is skipped (returns True); a source checkout is untouched."""
+    from megatron.core.datasets import utils as dataset_utils
+    if os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
+        return False
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False
+
+    def compile_helpers():
+        logger.info("megatron-core wheel: using the prebuilt dataset helpers (no Makefile to build them)")
+
+    dataset_utils.compile_helpers = compile_helpers
+    return True
 
 
 def configure_model(args, model_cfg):
