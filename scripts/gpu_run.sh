@@ -41,7 +41,7 @@ case "$step" in
       TREE=$tree NPROC=1 ITERS=3 PATTERN='G*-G-' HIDDEN=512 HEADS=4 FFN=2048 SEQ=32768 VOCAB=32768 \
         MBS_PER_STEP=2 GROUPS_PER_STEP=4 TORCHRUN="python3 -m torch.distributed.run" \
         bash scripts/launch_torchrun.sh "$OUT/rollouts.jsonl" --transformer-impl local \
-        --no-gradient-accumulation-fusion --seed 1 "$@" > "$OUT/pretrain_tree$tree.log" 2>&1
+        --no-persist-layer-norm --no-gradient-accumulation-fusion --seed 1 "$@" > "$OUT/pretrain_tree$tree.log" 2>&1
       grep -E "iteration|rl loss|compression|Error|error" "$OUT/pretrain_tree$tree.log" | tail -n 8
     done ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

@@ -14,6 +14,7 @@
 #   TREE [1] 1: --tree-packing, 0: trajectory-wise baseline (same code, for A/B runs)
 #   LOAD / SAVE: checkpoint dirs (optional)  TORCHRUN [torchrun] launcher command
 #   (e.g. "python3 -m torch.distributed.run" where torchrun is not on PATH)
+# With --transformer-impl local and no Apex, also pass --no-persist-layer-norm (Megatron asserts otherwise).
 # Logged every --log-interval: Megatron's "rl loss", "compression", clip fraction, KL; and per
 # step (logger megatron_harts): trajectory tokens, compact tokens, compression, trajectory tokens/s.
 set -euo pipefail
@@ -38,6 +39,6 @@ exec ${TORCHRUN:-torchrun} --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" --n
   --micro-batch-size 1 --global-batch-size "$MBS_PER_STEP" --dataloader-type external \
   --train-iters "${ITERS:-100}" --lr "${LR:-1e-6}" --min-lr 0 --lr-decay-style constant \
   --weight-decay 0.0 --clip-grad 1.0 --adam-beta2 0.999 --bf16 \
-  --eval-iters 0 --log-interval 1 --log-throughput \
+  --eval-iters 0 --eval-interval "${ITERS:-100}" --log-interval 1 --log-throughput \
   ${LOAD:+--load "$LOAD"} ${SAVE:+--save "$SAVE" --save-interval "${SAVE_INTERVAL:-100}"} \
   "$@"

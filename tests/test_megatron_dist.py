@@ -293,3 +293,30 @@ def test_prebuilt_dataset_helpers_skip_the_make_step(monkeypatch, tmp_path):
     (tmp_path / "Makefile").unlink()
     assert use_prebuilt_dataset_helpers() and dataset_utils.compile_helpers is not original
     dataset_utils.compile_helpers()                 # no make, no SystemExit
+
+
+@pytest.mark.parametrize("tree", ["1", "0"])
+def test_launch_script_flags_parse_and_size_the_run(tree, monkeypatch):
+    """scripts/launch_torchrun.sh's command line (printed through TORCHRUN=echo) goes through
+    Megatron's own parser and the sample counting ``pretrain`` does before the first iteration."""
+    import shlex
+    import subprocess
+    from megatron.training import training as megatron_training
+    from megatron_harts.megatron.arguments import validate_tree_packing_args
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = dict(os.environ, TORCHRUN="echo", NPROC="2", ITERS="3", TREE=tree)
+    line = subprocess.run(["bash", os.path.join(root, "scripts", "launch_torchrun.sh"), "r.jsonl"], env=env,
+                          capture_output=True, text=True, check=True).stdout
+    argv = shlex.split(line)
+    argv = argv[next(i for i, a in enumerate(argv) if a.endswith("pretrain_hybrid_harts.py")) + 1:]
+    args = _megatron_args(argv)
+    validate_tree_packing_args(args)
+    assert args.tree_packing == (tree == "1") and args.tree_trajectories == "r.jsonl"
+    assert (args.micro_batch_size, args.global_batch_size, args.dataloader_type) == (1, 2, "external")
+    assert not args.apply_rope_fusion
+    for k, v in dict(iteration=0, skip_train=False, full_validation=False,    # set by validate_args (needs GPUs)
+                     eval_global_batch_size=args.global_batch_size).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    monkeypatch.setattr(megatron_training, "get_args", lambda: args)
+    assert megatron_training.get_train_valid_test_num_samples()[:2] == (3 * 2, 0)   # 3 steps, no eval
