@@ -64,3 +64,33 @@ def test_bench_e2e_records_an_out_of_memory_row_and_goes_on(tmp_path, monkeypatc
                                    error="CUDA out of memory. Tried to allocate 80 GiB")]
     assert bench.main(["--plot", str(tmp_path / "e2e.json"), "--out", str(tmp_path)]) == 0
     assert "Not measured: dense tau recompute on (out of memory" in (tmp_path / "e2e.md").read_text()
+
+
+def test_bench_e2e_measures_the_attention_kernel_share(tmp_path, monkeypatch):
+    """With a FlashAttention-varlen baseline, each row also compares the baseline against itself on
+    FlexAttention (the tree side's kernel). On CPU the baseline runs the torch reference, so the
+    difference is fp32 rounding; the column reaches the JSON and the table."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "scripts", "bench_e2e.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from torch.nn.attention.flex_attention import flex_attention
+    from megatron_harts.ops import attention
+    monkeypatch.setattr(bench, "baseline_attention", lambda device: "varlen")
+
+    def eager_flex(*args, **kwargs):          # main() turns dynamo off on CPU; eager FlexAttention needs it
+        with torch._dynamo.config.patch(disable=False):
+            return flex_attention(*args, **kwargs)
+    monkeypatch.setattr(attention, "_flex", eager_flex)
+    dynamo_disabled = torch._dynamo.config.disable
+    try:
+        assert bench.main(["--device", "cpu", "--tiny", "--models", "dense", "--workloads", "tau", "--recompute",
+                           "off", "--max-steps", "1", "--out", str(tmp_path)]) == 0
+    finally:
+        torch._dynamo.config.disable = dynamo_disabled
+    (row,) = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    assert row["lp_diff_baseline_flex"]["max"] < 1e-4 and row["lp_diff_baseline_flex"]["mean"] >= 0
+    assert bench.main(["--plot", str(tmp_path / "e2e.json"), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "e2e.md").read_text()
+    assert "lp diff flex-b max/mean" in md and "nan/nan" not in md.split("| dense |")[1]

@@ -249,7 +249,8 @@ def test_args_valid_and_defaults():
     (["--micro-batch-size", "2"], "micro-batch-size 1"),
     (["--tree-chunk-size", "0"], "tree-chunk-size must be >= 1"),
     (["--tree-spec", "te"], "needs Transformer Engine"),
-], ids=["cp", "mtp", "dsa", "mla", "mtp-pattern", "capacity", "pad-capacity", "mbs", "chunk", "te-spec"])
+    (["--tree-attention-backend", "varlen"], "varlen only covers trajectory packs"),
+], ids=["cp", "mtp", "dsa", "mla", "mtp-pattern", "capacity", "pad-capacity", "mbs", "chunk", "te-spec", "varlen"])
 def test_args_unsupported_combinations(extra, message):
     from megatron.core.extensions.transformer_engine import HAVE_TE
     if "--tree-spec" in extra and HAVE_TE:
@@ -320,3 +321,11 @@ def test_launch_script_flags_parse_and_size_the_run(tree, monkeypatch):
             setattr(args, k, v)
     monkeypatch.setattr(megatron_training, "get_args", lambda: args)
     assert megatron_training.get_train_valid_test_num_samples()[:2] == (3 * 2, 0)   # 3 steps, no eval
+
+
+def test_configure_model_passes_the_attention_backend():
+    from megatron_harts.megatron.training import configure_model
+    args = _megatron_args(BASE + ["--tree-attention-backend", "flex"])
+    cfg = configure_model(args, SimpleNamespace(hybrid_stack_spec=None))
+    core = cfg.hybrid_stack_spec.submodules.attention_layer.submodules.self_attention.submodules.core_attention
+    assert core.keywords == {"tree_attention_backend": "flex"}

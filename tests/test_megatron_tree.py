@@ -178,3 +178,31 @@ def test_te_spec_swaps_in_the_tree_layers_and_keeps_te_modules(monkeypatch):
     assert ref.gdn_layer.submodules.self_attention.module is not TreeGatedDeltaNet
     assert ref.mamba_layer.submodules.mixer.module is not TreeMambaMixer
     assert ref.moe_layer.module is not TreeMoETransformerLayer
+
+
+def test_attention_backend_reaches_the_core_attention(models):
+    """``tree_hybrid_stack_spec(attention_backend=...)`` binds the backend into every '*' layer and
+    ``attention_backend(model, ...)`` switches a built model for a block: 'varlen' on a tree pack then
+    fails with the backend's own error (so the setting is what ``tree_attention`` receives), and the
+    previous backend is back afterwards (same log-probs as before)."""
+    from megatron_harts.megatron import TreeCoreAttention, attention_backend
+    spec = tree_hybrid_stack_spec(attention_backend="torch")
+    core = spec.submodules.attention_layer.submodules.self_attention.submodules.core_attention
+    assert core.func is TreeCoreAttention and core.keywords == {"tree_attention_backend": "torch"}
+    assert tree_hybrid_stack_spec().submodules.attention_layer.submodules.self_attention.submodules \
+        .core_attention is TreeCoreAttention
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        tree_hybrid_stack_spec(attention_backend="flash")
+    model = models["plain"]
+    trees = [RolloutTree.from_trajectories(t) for t in CASES["multi_root"]]
+    ws = _weights(trees)
+    with cpu_shim.cpu_megatron(seed=0):
+        before = run_packed(model, trees, pack, ws)[0]
+        with pytest.raises(ValueError, match="backend='varlen' needs a pack without branches"):
+            with attention_backend(model, "varlen"):
+                assert {m.tree_attention_backend for m in model.modules() if isinstance(m, TreeCoreAttention)} \
+                    == {"varlen"}
+                run_packed(model, trees, pack, ws)
+        assert {m.tree_attention_backend for m in model.modules() if isinstance(m, TreeCoreAttention)} == {"auto"}
+        after = run_packed(model, trees, pack, ws)[0]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

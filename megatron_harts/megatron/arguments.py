@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from ..ops.attention import BACKENDS as ATTENTION_BACKENDS
 from ..rl import KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_TYPES
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ def add_tree_packing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         "CPU and the H200) or 'te' (Transformer Engine modules; needs TE; its numerics are "
                         "untested here: run `python -m megatron_harts.verify --device cuda --spec te` "
                         "first). Default local.")
+    g.add_argument("--tree-attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="Kernel of the '*' layers' core attention on tree and trajectory packs: 'auto' "
+                        "(CUDA: FlashAttention varlen for trajectory packs, i.e. without --tree-packing, "
+                        "FlexAttention with the ancestor mask for tree packs; CPU: masked SDPA), 'flex', "
+                        "'varlen' (trajectory packs only) or 'torch' (dense mask, O(T^2) memory). Default auto.")
     g.add_argument("--tree-max-tokens", type=int, default=None,
                    help="Warn when a microbatch holds more compact tokens than this.")
     g.add_argument("--tree-shuffle-seed", type=int, default=None,
@@ -112,6 +118,9 @@ def tree_packing_errors(args) -> list[str]:
                     f"(got {mbs}); use --global-batch-size for the number of tree packs per step")
     if getattr(args, "tree_chunk_size", 64) < 1:
         errs.append(f"--tree-chunk-size must be >= 1, got {args.tree_chunk_size}")
+    if getattr(args, "tree_attention_backend", "auto") == "varlen":
+        errs.append("--tree-packing with --tree-attention-backend varlen: FlashAttention varlen only covers "
+                    "trajectory packs (no branches); tree packs need 'auto', 'flex' or 'torch'")
     if getattr(args, "tree_spec", "local") == "te":
         from megatron.core.extensions.transformer_engine import HAVE_TE
         if not HAVE_TE:

@@ -10,7 +10,8 @@ Each layer behaves exactly like its parent unless ``packed_seq_params`` is a
   ``tree_causal_conv1d`` / ``tree_gated_delta_rule``; projections, gates, gated norm, out_proj
   are the parent's.
 * :class:`TreeCoreAttention` (``*``, the ``core_attention`` of ``SelfAttention``):
-  ``tree_attention`` (ancestor mask).
+  ``tree_attention`` (ancestor mask) with its ``tree_attention_backend`` (``--tree-attention-backend``;
+  :func:`attention_backend` switches a built model temporarily).
 
 Mamba2 (``M``): ``mamba.TreeMambaMixer`` (a tree pack through any other Mamba mixer raises).
 
@@ -20,6 +21,7 @@ Not covered: context parallelism, GDN ``recompute_norm_out``, attention dropout 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -28,6 +30,7 @@ from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from ..ops import tree_attention, tree_causal_conv1d, tree_gated_delta_rule
+from ..ops.attention import BACKENDS as ATTENTION_BACKENDS
 from .cpu_shim import LocalHybridStack
 from .packed_seq import TreePackedSeqParams
 
@@ -121,7 +124,16 @@ class TreeCoreAttention(DotProductAttention):
     ``DotProductAttention`` otherwise.
 
     Tree path: q ``[T, np, hn]``, k/v ``[T, ng, hn]`` (THD, GQA not expanded) -> ``[T, np*hn]``.
+    ``tree_attention_backend``: ``tree_attention``'s ``backend`` (``auto``: FlashAttention varlen for
+    trajectory packs and FlexAttention for tree packs on CUDA, masked SDPA on CPU).
     """
+
+    def __init__(self, *args, tree_attention_backend: str = "auto", **kwargs):
+        if tree_attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"tree_attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {tree_attention_backend!r}")
+        super().__init__(*args, **kwargs)
+        self.tree_attention_backend = tree_attention_backend
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -130,5 +142,24 @@ class TreeCoreAttention(DotProductAttention):
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         if attention_bias is not None or (self.training and self.attention_dropout.p > 0):
             raise NotImplementedError("tree attention: attention_bias / attention dropout are not supported")
-        o = tree_attention(query, key, value, packed_seq_params.tree_pack, scale=self.softmax_scale)
+        o = tree_attention(query, key, value, packed_seq_params.tree_pack, scale=self.softmax_scale,
+                           backend=self.tree_attention_backend)
         return o.reshape(o.shape[0], -1)
+
+
+@contextlib.contextmanager
+def attention_backend(model: torch.nn.Module, backend: str):
+    """Run every :class:`TreeCoreAttention` of ``model`` with ``backend`` inside the block (e.g. the
+    trajectory-wise baseline on FlexAttention instead of FlashAttention varlen, to measure what the
+    kernel choice alone changes); restores the previous backends on exit."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    mods = [m for m in model.modules() if isinstance(m, TreeCoreAttention)]
+    old = [m.tree_attention_backend for m in mods]
+    for m in mods:
+        m.tree_attention_backend = backend
+    try:
+        yield
+    finally:
+        for m, b in zip(mods, old):
+            m.tree_attention_backend = b

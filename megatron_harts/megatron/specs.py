@@ -20,24 +20,31 @@ Pattern symbols covered by the tree path: ``G`` (GDN), ``*`` (attention), ``-`` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .cpu_shim import local_hybrid_stack_spec
-from .layers import TreeCoreAttention, TreeGatedDeltaNet, TreeHybridStack
+from .layers import ATTENTION_BACKENDS, TreeCoreAttention, TreeGatedDeltaNet, TreeHybridStack
 from .mamba import TreeMambaMixer
 
 
-def treeify(spec: ModuleSpec) -> ModuleSpec:
+def treeify(spec: ModuleSpec, attention_backend: str = "auto") -> ModuleSpec:
     """Swap the tree layers into a ``HybridStack`` spec, in place: stack -> ``TreeHybridStack``,
     ``gdn_layer`` mixer -> ``TreeGatedDeltaNet``, ``attention_layer`` core attention ->
-    ``TreeCoreAttention``, ``mamba_layer`` mixer -> ``TreeMambaMixer``, ``moe_layer`` (if any) ->
+    ``TreeCoreAttention`` (with ``tree_attention_backend=attention_backend``; Megatron calls the
+    ``core_attention`` builder directly, so a non-default backend is bound with ``functools.partial``),
+    ``mamba_layer`` mixer -> ``TreeMambaMixer``, ``moe_layer`` (if any) ->
     ``megatron_harts.moe.treeify_moe``. Returns ``spec``."""
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
     subs = spec.submodules
     spec.module = TreeHybridStack
     subs.gdn_layer.submodules.self_attention.module = TreeGatedDeltaNet
-    subs.attention_layer.submodules.self_attention.submodules.core_attention = TreeCoreAttention
+    subs.attention_layer.submodules.self_attention.submodules.core_attention = (
+        TreeCoreAttention if attention_backend == "auto"
+        else functools.partial(TreeCoreAttention, tree_attention_backend=attention_backend))
     subs.mamba_layer.submodules.mixer.module = TreeMambaMixer
     if isinstance(subs.moe_layer, ModuleSpec):  # 'E': multiplicity-weighted router (megatron_harts.moe)
         from ..moe import treeify_moe
@@ -45,10 +52,11 @@ def treeify(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
-def tree_hybrid_stack_spec(num_moe_experts: Optional[int] = None, qk_layernorm: bool = False) -> ModuleSpec:
+def tree_hybrid_stack_spec(num_moe_experts: Optional[int] = None, qk_layernorm: bool = False,
+                           attention_backend: str = "auto") -> ModuleSpec:
     """Local (non-TE) hybrid stack spec with tree-aware ``G`` and ``*`` layers; arguments as
-    ``cpu_shim.local_hybrid_stack_spec``."""
-    return treeify(local_hybrid_stack_spec(num_moe_experts, qk_layernorm))
+    ``cpu_shim.local_hybrid_stack_spec`` and :func:`treeify`."""
+    return treeify(local_hybrid_stack_spec(num_moe_experts, qk_layernorm), attention_backend)
 
 
 def _copy_spec(x):
@@ -62,7 +70,7 @@ def _copy_spec(x):
     return x
 
 
-def tree_te_hybrid_stack_spec() -> ModuleSpec:
+def tree_te_hybrid_stack_spec(attention_backend: str = "auto") -> ModuleSpec:
     """Megatron's TE hybrid stack spec with the tree layers swapped in (a copy; Megatron's own spec
     is left alone) and ``TENorm`` as the stack's final norm. Raises ``ImportError`` without
     Transformer Engine."""
@@ -73,6 +81,6 @@ def tree_te_hybrid_stack_spec() -> ModuleSpec:
                           "use tree_hybrid_stack_spec() (local spec, --tree-spec local)")
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
-    spec = treeify(_copy_spec(hybrid_stack_spec))
+    spec = treeify(_copy_spec(hybrid_stack_spec), attention_backend)
     spec.params = {**(spec.params or {}), "final_norm": te.TENorm}
     return spec

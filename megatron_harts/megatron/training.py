@@ -43,11 +43,13 @@ def use_prebuilt_dataset_helpers() -> bool:
 
 
 def configure_model(args, model_cfg):
-    """Point a ``HybridModelConfig`` at the tree spec of ``--tree-spec`` (local or TE layers); returns it."""
+    """Point a ``HybridModelConfig`` at the tree spec of ``--tree-spec`` (local or TE layers) with the
+    core attention of ``--tree-attention-backend``; returns it."""
+    backend = getattr(args, "tree_attention_backend", "auto")
     if getattr(args, "tree_spec", "local") == "te":
-        model_cfg.hybrid_stack_spec = tree_te_hybrid_stack_spec()
+        model_cfg.hybrid_stack_spec = tree_te_hybrid_stack_spec(backend)
     else:
-        model_cfg.hybrid_stack_spec = tree_hybrid_stack_spec(args.num_experts, args.qk_layernorm)
+        model_cfg.hybrid_stack_spec = tree_hybrid_stack_spec(args.num_experts, args.qk_layernorm, backend)
     return model_cfg
 
 
