@@ -344,19 +344,30 @@ def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, arg
 def table(rows: list[dict]) -> list[str]:
     head = ("| model | workload | recompute | traj tokens | compression | base ms | harts ms | speedup | target "
             "| w/ opt | base GiB | harts GiB | rounds b/h | lp diff h-b max/mean | lp diff rerun max/mean "
-            "| lp diff flex-b max/mean | met |")
+            "| lp diff flex-b max/mean | base attn | met |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         b, h = r["baseline"], r["harts"]
-        nan = {"max": float("nan"), "mean": float("nan")}
-        rr, fb = r.get("lp_diff_rerun", nan), r.get("lp_diff_baseline_flex", nan)
+        rr, fb = (f"{d['max']:.2e}/{d['mean']:.1e}" if d else "-"
+                  for d in (r.get("lp_diff_rerun"), r.get("lp_diff_baseline_flex")))
         lines.append(f"| {r['model']} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['trajectory_tokens']} "
                      f"| {r['compression']:.2f} | {b['grad_ms']:.1f} | {h['grad_ms']:.1f} | {r['speedup']:.2f} "
                      f"| {r['target']:.2f} | {r['speedup_with_opt']:.2f} | {b['peak_gib']:.1f} | {h['peak_gib']:.1f} "
                      f"| {b['rounds']}/{h['rounds']} | {r['lp_diff_harts']['max']:.2e}/{r['lp_diff_harts']['mean']:.1e} "
-                     f"| {rr['max']:.2e}/{rr['mean']:.1e} | {fb['max']:.2e}/{fb['mean']:.1e} "
-                     f"| {'yes' if r['meets_target'] else 'no'} |")
+                     f"| {rr} | {fb} "
+                     f"| {r.get('baseline_attention', 'flex')} | {'yes' if r['meets_target'] else 'no'} |")
     return lines
+
+
+def command_line(argv: list[str]) -> str:
+    """The benchmark's arguments without those that only name machine paths or limits."""
+    drop, out, skip = {"--out", "--save-fla-configs", "--watchdog"}, [], False
+    for a in argv:
+        if skip or a in drop:
+            skip = a in drop
+            continue
+        out.append(a)
+    return " ".join(["scripts/bench_e2e.py"] + out)
 
 
 def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict] = ()) -> None:
@@ -368,13 +379,15 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
     m = metas[0] if metas else {}
     lines = ["# End-to-end: HARTS vs trajectory-wise training step (H200)", "",
              f"Machine: {m.get('device', '?')}; torch {m.get('torch', '?')}; bf16; chunk {m.get('chunk_size')}; "
-             f"microbatch capacity {m.get('capacity')} tokens; median of {m.get('max_steps')} steps after warm-up; "
-             f"baseline attention: {rows[0].get('baseline_attention', 'flex') if rows else '?'}"
-             + (f"; packs padded to a multiple of {m['pad_multiple']} tokens" if m.get("pad_multiple") else "")
-             + ". "
-             "Times are forward + backward over all microbatches of the global batch (gradient, optimizer "
-             "excluded; `w/ opt` adds one AdamW step to both sides). Produced by `scripts/bench_e2e.py`; raw "
-             "numbers in the JSON next to this file.", ""] + table(rows)
+             f"median of {m.get('max_steps')} steps after warm-up. Times are forward + backward over all "
+             "microbatches of the global batch (gradient, optimizer excluded; `w/ opt` adds one AdamW step to "
+             "both sides). `base attn`: the baseline's attention kernel (`varlen` = FlashAttention varlen, "
+             "`flex` = FlexAttention with the document mask). Produced by `scripts/bench_e2e.py`; raw numbers in "
+             "the JSONs next to this file:", ""]
+    lines += [f"- `{command_line(x.get('argv', []))}`: microbatch capacity "
+              f"{x.get('capacity')} tokens" + (f", packs padded to a multiple of {x['pad_multiple']} tokens"
+                                               if x.get("pad_multiple") else "") for x in metas]
+    lines += [""] + table(rows)
     fig, ax = plt.subplots(figsize=(5.5, 4.2))
     for key in sorted({(r["model"], r["recompute"]) for r in rows}):
         pts = sorted((r["compression"], r["speedup"], r["workload"]) for r in rows if (r["model"], r["recompute"]) == key)
@@ -391,7 +404,7 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "e2e.png"), dpi=120)
-    lines += [f"Not measured: {f['model']} {f['workload']} recompute {'on' if f['recompute'] else 'off'} "
+    lines += [""] * bool(failed) + [f"Not measured: {f['model']} {f['workload']} recompute {'on' if f['recompute'] else 'off'} "
               f"(out of memory at microbatch capacity {f['capacity']} tokens)." for f in failed]
     lines += ["", "![speedup vs compression](e2e.png)", ""]
     with open(os.path.join(out_dir, "e2e.md"), "w") as f:

@@ -159,12 +159,12 @@ def render(rows: list[dict], out_dir: str, meta: dict) -> None:
              f"K=V={meta.get('dim')}, bf16, chunk 64. Median of {meta.get('reps')} runs after warm-up. "
              "Produced by `scripts/bench_ops.py`; raw numbers in `ops.json`.", ""] + \
             [f"Note: {n}" for n in meta.get("notes", [])] + ["",
-             "| op | traj tokens | compression | tree ms | traj ms | speedup | target 0.9c | rounds | replay | met |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| op | traj tokens | compression | tree ms | traj ms | speedup | target 0.9c | rounds | replay | met | run |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lines.append(f"| {r['op']} | {r['trajectory_tokens']} | {r['compression']:.2f} | {r['tree_ms']:.2f} | "
                      f"{r['traj_ms']:.2f} | {r['speedup']:.2f} | {r['target']:.2f} | {r['rounds']} | "
-                     f"{r['replay_tokens']} | {'yes' if r['meets_target'] else 'no'} |")
+                     f"{r['replay_tokens']} | {'yes' if r['meets_target'] else 'no'} | {r.get('run', '')} |")
     fig, axes = plt.subplots(1, len(OPS), figsize=(4 * len(OPS), 3.6), sharey=True)
     for ax, op in zip(axes, OPS):
         sel = [r for r in rows if r["op"] == op]

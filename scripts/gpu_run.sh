@@ -2,6 +2,8 @@
 # One GPU benchmark step with fla's saved autotuning (configs/fla/<GPU>) reused and extended.
 #   scripts/gpu_run.sh STEP [extra args]      STEP: check | ops | e2e-swe | e2e-tau | e2e-sweep | e2e-moe
 #                                                   | e2e-norc | verify | calibrate | pretrain
+# e2e-norc: recomputation off at 16K-token microbatches (the 1.48B model without recomputation runs
+# out of memory at 32K on the 139 GiB H200, so SWE-like trajectories of up to 64K tokens cannot run).
 # pretrain: 3 iterations of scripts/pretrain_hybrid_harts.py (Megatron's pretrain loop, one GPU, small
 # model, tau-like rollouts) tree-packed and trajectory-wise from the same seed; logs pretrain_tree{1,0}.log
 # (the first iteration's "rl loss" of the two should agree to bf16 noise).
@@ -20,6 +22,9 @@ mkdir -p "$CFG"
 [ -d "configs/fla/$GPU" ] && cp -n "configs/fla/$GPU"/*.json "$CFG"/ 2>/dev/null || true
 export FLA_CACHE_MODE=${FLA_CACHE_MODE:-fuzzy} FLA_CONFIG_DIR=$CFG TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+# Several rows per process: without expandable segments the allocator kept 26 GiB reserved but
+# unusable after one row and the next ran out of memory.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f "configs/triton/$GPU.tgz" ] && tar xzf "configs/triton/$GPU.tgz" -C "$TRITON_CACHE_DIR" --skip-old-files || true
 step=${1:?STEP}; shift
@@ -32,7 +37,8 @@ case "$step" in
   e2e-tau)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_tau.json --models dense --workloads tau --recompute on "${save[@]}" "$@" ;;
   e2e-sweep) python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_sweep.json --models dense --workloads sweep --recompute on "${save[@]}" "$@" ;;
   e2e-moe)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_moe.json --models moe --workloads swe,tau --recompute on "${save[@]}" "$@" ;;
-  e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_norc.json --models dense --workloads swe,tau --recompute off "${save[@]}" "$@" ;;
+  e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_norc.json --models dense --workloads tau,sweep \
+               --compressions 2,6,10 --capacity 16384 --recompute off "${save[@]}" "$@" ;;
   verify)    python3 -m megatron_harts.verify --device cuda --model 1.5b "$@" | tee "$OUT/verify_1p5b.json" ;;
   calibrate) python3 scripts/calibrate_cost.py --out "$OUT/cost_model.json" "$@" ;;
   pretrain)
