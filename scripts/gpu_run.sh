@@ -6,7 +6,9 @@
 # out of memory at 32K on the 139 GiB H200, so SWE-like trajectories of up to 64K tokens cannot run).
 # pretrain: 3 iterations of scripts/pretrain_hybrid_harts.py (Megatron's pretrain loop, one GPU, small
 # model, tau-like rollouts) tree-packed and trajectory-wise from the same seed; logs pretrain_tree{1,0}.log
-# (the first iteration's "rl loss" of the two should agree to bf16 noise).
+# (the first iteration's "rl loss" / "rl loss negated" and "grad norm" of the two should agree to bf16
+# noise; without old log-probs in the data the loss is minus the token-mean advantage on both sides,
+# so the grad norm is the informative one).
 # Results go to $OUT (default ./out); the tuned configs are also packed into $OUT/fla_configs.tgz
 # (unpack into configs/fla/<GPU> and commit, so the next fresh machine skips autotuning), and
 # Triton's own autotuning results (plain ``triton.autotune`` kernels such as simple GLA's, which
@@ -48,7 +50,7 @@ case "$step" in
         MBS_PER_STEP=2 GROUPS_PER_STEP=4 TORCHRUN="python3 -m torch.distributed.run" \
         bash scripts/launch_torchrun.sh "$OUT/rollouts.jsonl" --transformer-impl local \
         --no-persist-layer-norm --no-gradient-accumulation-fusion --seed 1 "$@" > "$OUT/pretrain_tree$tree.log" 2>&1
-      grep -E "iteration|rl loss|compression|Error|error" "$OUT/pretrain_tree$tree.log" | tail -n 8
+      grep -E "iteration|rl loss|grad norm|compression|Error|error" "$OUT/pretrain_tree$tree.log" | tail -n 8
     done ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac || rc=$?

@@ -15,7 +15,9 @@
 #   LOAD / SAVE: checkpoint dirs (optional)  TORCHRUN [torchrun] launcher command
 #   (e.g. "python3 -m torch.distributed.run" where torchrun is not on PATH)
 # With --transformer-impl local and no Apex, also pass --no-persist-layer-norm (Megatron asserts otherwise).
-# Logged every --log-interval: Megatron's "rl loss", "compression", clip fraction, KL; and per
+# Dropout is off (Megatron's defaults are 0.1): tree attention has none, RL log-prob ratios need none.
+# Logged every --log-interval: Megatron's "rl loss" (or "rl loss negated" when negative: Megatron
+# prints only non-negative averages), "compression", clip fraction, KL; and per
 # step (logger megatron_harts): trajectory tokens, compact tokens, compression, trajectory tokens/s.
 set -euo pipefail
 DATA=${1:?usage: $0 TRAJECTORIES.jsonl [extra flags]}; shift
@@ -33,7 +35,7 @@ exec ${TORCHRUN:-torchrun} --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" --n
   --num-attention-heads "${HEADS:-8}" --ffn-hidden-size "${FFN:-4096}" \
   --seq-length "${SEQ:-32768}" --max-position-embeddings "${SEQ:-32768}" \
   --position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu --disable-bias-linear \
-  --untie-embeddings-and-output-weights \
+  --untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0 \
   --tokenizer-type NullTokenizer --vocab-size "${VOCAB:-151936}" \
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
   --micro-batch-size 1 --global-batch-size "$MBS_PER_STEP" --dataloader-type external \

@@ -273,6 +273,20 @@ def test_args_turn_rope_fusion_off_for_tree_packs(argv, caplog):
     assert other.apply_rope_fusion         # Megatron runs without this package's packs: untouched
 
 
+@pytest.mark.parametrize("argv", [BASE, ["--tree-trajectories", "x.jsonl", "--hybrid-layer-pattern", "G*-"]],
+                         ids=["tree-packing", "thd-baseline"])
+def test_args_turn_attention_dropout_off_for_tree_packs(argv, caplog):
+    """Megatron's default --attention-dropout 0.1 would make TreeCoreAttention raise on the first
+    forward (tree and THD baseline alike): it is turned off with a warning; hidden dropout warns."""
+    args = _megatron_args(argv)
+    assert args.attention_dropout == args.hidden_dropout == 0.1          # Megatron's defaults
+    with caplog.at_level("WARNING", logger="megatron_harts.megatron.arguments"):
+        validate_tree_packing_args(args)
+    assert args.attention_dropout == 0.0 and "attention dropout 0.1 turned off" in caplog.text
+    assert args.hidden_dropout == 0.1
+    assert ("one dropout mask" in caplog.text) == ("--tree-packing" in argv)
+
+
 def test_args_layers_without_tree_path():
     with pytest.raises(TreePackingArgumentError, match=r"\['\+', 'D'\]"):
         validate_tree_packing_args(argparse.Namespace(tree_packing=True, hybrid_layer_pattern="GD*+-"))
@@ -315,6 +329,7 @@ def test_launch_script_flags_parse_and_size_the_run(tree, monkeypatch):
     assert args.tree_packing == (tree == "1") and args.tree_trajectories == "r.jsonl"
     assert (args.micro_batch_size, args.global_batch_size, args.dataloader_type) == (1, 2, "external")
     assert not args.apply_rope_fusion
+    assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)   # tree attention has no dropout
     for k, v in dict(iteration=0, skip_train=False, full_validation=False,    # set by validate_args (needs GPUs)
                      eval_global_batch_size=args.global_batch_size).items():
         if getattr(args, k, None) is None:
@@ -329,3 +344,14 @@ def test_configure_model_passes_the_attention_backend():
     cfg = configure_model(args, SimpleNamespace(hybrid_stack_spec=None))
     core = cfg.hybrid_stack_spec.submodules.attention_layer.submodules.self_attention.submodules.core_attention
     assert core.keywords == {"tree_attention_backend": "flex"}
+
+
+def test_rl_loss_report_shows_negative_losses():
+    """Megatron's iteration line prints only non-negative averages: the report carries the loss and
+    its negation (each as [value, count]), so a negative policy loss is visible too."""
+    with cpu_shim.cpu_megatron(seed=0):
+        model, mb = _model(), _microbatch(_trajectories(), pack)
+        tokens, pos, psp = model_inputs(mb)
+        loss, _, report = rl_loss(model(tokens, pos, None, packed_seq_params=psp), mb, **LOSS_KW)
+    assert torch.equal(report["rl loss negated"], report["rl loss"] * torch.tensor([-1.0, 1.0]))
+    assert float(report["rl loss"][0]) == pytest.approx(float(loss)) and float(report["rl loss"][1]) == 1.0

@@ -135,18 +135,28 @@ def validate_tree_packing_args(args) -> None:
     without ``--tree-packing``). Call after Megatron's ``validate_args``, before the model config
     is built.
 
-    Also turns RoPE fusion off (Megatron's default is on) when packs of this package are used
-    (``--tree-packing`` or ``--tree-trajectories``, whose THD baseline takes the same path): tree
-    packs carry one position per token (a pre-gathered rotary table), which TE's fused THD RoPE
-    kernel has not been validated with (no TE here); the unfused path is tested."""
+    Also turns RoPE fusion and attention dropout off (Megatron's defaults: on and 0.1) when packs of
+    this package are used (``--tree-packing`` or ``--tree-trajectories``, whose THD baseline takes
+    the same path): tree packs carry one position per token (a pre-gathered rotary table), which
+    TE's fused THD RoPE kernel has not been validated with (no TE here; the unfused path is
+    tested), and tree attention has no dropout. Warns about hidden dropout with tree packing."""
     errs = tree_packing_errors(args)
     if errs:
         raise TreePackingArgumentError("invalid arguments for tree packing:\n  - " + "\n  - ".join(errs))
-    if getattr(args, "apply_rope_fusion", False) and (getattr(args, "tree_packing", False)
-                                                      or getattr(args, "tree_trajectories", None)):
+    packs = getattr(args, "tree_packing", False) or getattr(args, "tree_trajectories", None)
+    if getattr(args, "apply_rope_fusion", False) and packs:
         args.apply_rope_fusion = False
         logger.warning("tree packs: RoPE fusion turned off (TE's fused THD RoPE is not validated with "
                        "per-token tree positions); pass --no-rope-fusion to silence this")
+    if (getattr(args, "attention_dropout", 0.0) or 0.0) > 0 and packs:
+        logger.warning("tree packs: attention dropout %s turned off (Megatron's default is 0.1; tree attention "
+                       "has no dropout); pass --attention-dropout 0.0 to silence this", args.attention_dropout)
+        args.attention_dropout = 0.0
+    if (getattr(args, "hidden_dropout", 0.0) or 0.0) > 0 and getattr(args, "tree_packing", False):
+        logger.warning("tree packing with --hidden-dropout %s: a shared-prefix token draws one dropout mask for "
+                       "all its trajectories (trajectory-wise training draws one per trajectory), and RL "
+                       "log-prob ratios are usually computed without dropout; consider --hidden-dropout 0.0",
+                       args.hidden_dropout)
     if getattr(args, "tree_packing", False):
         logger.info("tree packing: pattern %r, chunk size %d, planner %s", _pattern(args),
                     args.tree_chunk_size, args.tree_planner)

@@ -199,7 +199,8 @@ def rl_loss(logits: torch.Tensor, mb: TreeMicrobatch, *, tp_group=None, **loss_k
 
     ``loss`` = :func:`policy_loss` of this microbatch's trajectories with the step's global
     normalisers (``loss_kwargs``: loss_type, clip_eps, loss_agg_mode, kl_coef, ...). ``report``:
-    ``rl loss`` (global step loss), token-mean metrics (pg_clipfrac, ppo_kl, kl, ...),
+    ``rl loss`` (global step loss) and ``rl loss negated`` (Megatron's iteration line prints only
+    non-negative averages, and policy losses are often negative), token-mean metrics (pg_clipfrac, ppo_kl, kl, ...),
     ``compression`` (trajectory / compact tokens over the step).
     """
     if logits.dim() != 3 or logits.shape[0] != 1:
@@ -212,7 +213,9 @@ def rl_loss(logits: torch.Tensor, mb: TreeMicrobatch, *, tp_group=None, **loss_k
     dev = loss.device
     one = torch.ones((), dtype=torch.float32, device=dev)
     ntok = torch.tensor(float(mb.rl.num_tokens), device=dev)
-    report = {"rl loss": torch.stack([loss.detach().float() * scale, one])}
+    rl = torch.stack([loss.detach().float() * scale, one])
+    # Megatron's training_log prints only averages >= 0: exactly one of the two shows a policy loss.
+    report = {"rl loss": rl, "rl loss negated": rl * torch.tensor([-1.0, 1.0], device=dev)}
     for k, v in metrics.items():
         if k not in ("loss", "pg_loss", "kl_loss", "entropy_loss", "ratio_max", "ratio_min"):
             report[k] = torch.stack([v.float() * ntok, ntok])
