@@ -13,7 +13,8 @@ same code trains the trajectory-wise (THD) baseline. Logs: Megatron's iteration 
 compression and trajectory tokens/s per step.
 
 Needs CUDA (Megatron's ``initialize_megatron``); the pieces (``forward_step``, ``loss_func``,
-the data iterator) are tested on CPU in ``tests/test_megatron_dist.py``.
+the data iterator) are tested on CPU in ``tests/test_megatron_dist.py``, and the whole loop, tree
+and THD from one seed, in ``tests/test_pretrain_cpu.py`` (CUDA calls faked, gloo, tiny model).
 """
 from __future__ import annotations
 
