@@ -39,7 +39,7 @@ case "$step" in
   e2e-tau)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_tau.json --models dense --workloads tau --recompute on "${save[@]}" "$@" ;;
   e2e-sweep) python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_sweep.json --models dense --workloads sweep --recompute on "${save[@]}" "$@" ;;
   e2e-moe)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_moe.json --models moe --workloads swe,tau --recompute on "${save[@]}" "$@" ;;
-  e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_norc.json --models dense --workloads tau,sweep \
+  e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_norc16k.json --models dense --workloads tau,sweep \
                --compressions 2,6,10 --capacity 16384 --recompute off "${save[@]}" "$@" ;;
   verify)    python3 -m megatron_harts.verify --device cuda --model 1.5b "$@" | tee "$OUT/verify_1p5b.json" ;;
   calibrate) python3 scripts/calibrate_cost.py --out "$OUT/cost_model.json" "$@" ;;
