@@ -157,13 +157,10 @@ def build_model(name: str, recompute: bool, args, max_len: int):
 
 
 def baseline_attention(device) -> str:
-    """Attention kernel of the trajectory-wise packs: FlashAttention varlen where torch has it and
-    it ran, else FlexAttention (document-causal mask); the torch reference on CPU."""
-    from megatron_harts.ops import attention
+    """Attention kernel of the trajectory-wise packs (``ops.attention.chain_pack_backend``)."""
+    from megatron_harts.ops.attention import chain_pack_backend
 
-    if device.type != "cuda":
-        return "torch"
-    return "flex" if attention._varlen_failed or attention._varlen_attn() is None else "varlen"
+    return chain_pack_backend(device)
 
 
 def cost_model_for(name: str, args) -> CostModel:
@@ -328,8 +325,14 @@ def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, arg
         rerun = forward_logprobs(model, microbatches(trajs, "baseline", args, cm, device, shuffle=args.seed + 1))
         row["lp_diff_rerun"] = lp_diff(rerun, lps["baseline"])
         if baseline_attention(device) == "varlen":       # the tree side runs FlexAttention: kernel noise
-            with attention_backend(model, "flex"):
-                row["lp_diff_baseline_flex"] = lp_diff(forward_logprobs(model, sides["baseline"]), lps["baseline"])
+            try:
+                with attention_backend(model, "flex"):
+                    flex = forward_logprobs(model, sides["baseline"])
+                row["lp_diff_baseline_flex"] = lp_diff(flex, lps["baseline"])
+            except Exception as e:                        # keep the timed row
+                row["lp_diff_baseline_flex_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(f"[e2e] {model_name} {wl}: baseline on FlexAttention failed: {row['lp_diff_baseline_flex_error']}",
+                      file=sys.stderr, flush=True)
     row["lp_diff_harts"] = lp_diff(lps["harts"], lps["baseline"])
     row["compression"] = row["trajectory_tokens"] / row["harts"]["compact_tokens"]
     row["speedup"] = row["baseline"]["grad_ms"] / row["harts"]["grad_ms"]
@@ -366,7 +369,8 @@ def command_line(argv: list[str]) -> str:
         if skip or a in drop:
             skip = a in drop
             continue
-        out.append(a)
+        if a.split("=", 1)[0] not in drop:
+            out.append(a)
     return " ".join(["scripts/bench_e2e.py"] + out)
 
 

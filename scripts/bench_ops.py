@@ -197,6 +197,7 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-label", default="", help="label stored in every row (the 'run' column of ops.md)")
     ap.add_argument("--profile", default="", help="ops to profile (torch.profiler tables profile_*.txt in --out)")
     ap.add_argument("--plot", metavar="JSON", help="render ops.md/ops.png from a results JSON and exit")
     add_save_fla_configs_arg(ap)
@@ -217,7 +218,7 @@ def main():
     path = os.path.join(args.out, "ops.json")
     for total in map(int, args.sizes.split(",")):
         for c in map(float, args.compressions.split(",")):
-            rows += bench_case(total, c, args)
+            rows += [dict(r, run=args.run_label) if args.run_label else r for r in bench_case(total, c, args)]
             with open(path, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
             if args.save_fla_configs:

@@ -10,7 +10,7 @@
 #   VOCAB [151936] --vocab-size (NullTokenizer; must exceed every token id)
 #   MBS_PER_STEP [NPROC/TP/PP] tree packs per step = --global-batch-size (micro batch is always 1)
 #   GROUPS_PER_STEP [MBS_PER_STEP] rollout groups (trees) per step, >= MBS_PER_STEP
-#   ITERS [100] LR [1e-6] CHUNK [64] PLANNER [harts]
+#   ITERS [100] LR [1e-6] CHUNK [64] PLANNER [harts]  PRECISION [--bf16] (--fp16, or empty: fp32)
 #   TREE [1] 1: --tree-packing, 0: trajectory-wise baseline (same code, for A/B runs)
 #   LOAD / SAVE: checkpoint dirs (optional)  TORCHRUN [torchrun] launcher command
 #   (e.g. "python3 -m torch.distributed.run" where torchrun is not on PATH)
@@ -40,7 +40,7 @@ exec ${TORCHRUN:-torchrun} --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" --n
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
   --micro-batch-size 1 --global-batch-size "$MBS_PER_STEP" --dataloader-type external \
   --train-iters "${ITERS:-100}" --lr "${LR:-1e-6}" --min-lr 0 --lr-decay-style constant \
-  --weight-decay 0.0 --clip-grad 1.0 --adam-beta2 0.999 --bf16 \
+  --weight-decay 0.0 --clip-grad 1.0 --adam-beta2 0.999 ${PRECISION---bf16} \
   --eval-iters 0 --eval-interval "${ITERS:-100}" --log-interval 1 --log-throughput \
   ${LOAD:+--load "$LOAD"} ${SAVE:+--save "$SAVE" --save-interval "${SAVE_INTERVAL:-100}"} \
   "$@"

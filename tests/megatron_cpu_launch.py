@@ -7,6 +7,7 @@ those CUDA entry points before running the script unchanged; the model runs thro
 ``megatron_harts.megatron.cpu_shim`` with the torch (reference) backends of the tree ops. Nothing
 here is imported by the package: it only exists to exercise the entry point's glue (arguments,
 data iterator, ``forward_step`` / ``loss_func`` contract, logging) where no GPU is available.
+With ``HARTS_GRADS_OUT=FILE`` the first step's reduced gradients are saved there (``torch.save``).
 
     python -m torch.distributed.run ... tests/megatron_cpu_launch.py scripts/pretrain_hybrid_harts.py ARGS
 """
@@ -109,6 +110,17 @@ def fake_cuda():
         cuda.is_available = real_available
         return out
     training.initialize_megatron = initialize_megatron
+    grads_out = os.environ.get("HARTS_GRADS_OUT")
+    if grads_out:
+        finalize = training.finalize_model_grads
+
+        def finalize_model_grads(model, *a, **k):     # the first step's reduced gradients, for the test
+            out = finalize(model, *a, **k)
+            if not os.path.exists(grads_out):
+                torch.save({n: (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).float().clone()
+                            for n, p in model[0].named_parameters()}, grads_out)
+            return out
+        training.finalize_model_grads = finalize_model_grads
 
 
 if __name__ == "__main__":

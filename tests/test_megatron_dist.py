@@ -353,5 +353,5 @@ def test_rl_loss_report_shows_negative_losses():
         model, mb = _model(), _microbatch(_trajectories(), pack)
         tokens, pos, psp = model_inputs(mb)
         loss, _, report = rl_loss(model(tokens, pos, None, packed_seq_params=psp), mb, **LOSS_KW)
-    assert torch.equal(report["rl loss negated"], report["rl loss"] * torch.tensor([-1.0, 1.0]))
+    assert torch.equal(report["rl loss negated"], torch.stack([-report["rl loss"][0], report["rl loss"][1]]))
     assert float(report["rl loss"][0]) == pytest.approx(float(loss)) and float(report["rl loss"][1]) == 1.0

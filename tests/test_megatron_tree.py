@@ -205,4 +205,8 @@ def test_attention_backend_reaches_the_core_attention(models):
                 run_packed(model, trees, pack, ws)
         assert {m.tree_attention_backend for m in model.modules() if isinstance(m, TreeCoreAttention)} == {"auto"}
         after = run_packed(model, trees, pack, ws)[0]
+        bound = cpu_shim.build_tiny_hybrid_model(PATTERN, vocab_size=VOCAB, init_method_std=0.1,
+                                                 hybrid_stack_spec=tree_hybrid_stack_spec(attention_backend="varlen"))
+        with pytest.raises(ValueError, match="backend='varlen' needs a pack without branches"):
+            run_packed(bound, trees, pack, ws)          # the spec's backend reaches tree_attention
     assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -215,7 +215,7 @@ def rl_loss(logits: torch.Tensor, mb: TreeMicrobatch, *, tp_group=None, **loss_k
     ntok = torch.tensor(float(mb.rl.num_tokens), device=dev)
     rl = torch.stack([loss.detach().float() * scale, one])
     # Megatron's training_log prints only averages >= 0: exactly one of the two shows a policy loss.
-    report = {"rl loss": rl, "rl loss negated": rl * torch.tensor([-1.0, 1.0], device=dev)}
+    report = {"rl loss": rl, "rl loss negated": torch.stack([-rl[0], rl[1]])}
     for k, v in metrics.items():
         if k not in ("loss", "pg_loss", "kl_loss", "entropy_loss", "ratio_max", "ratio_min"):
             report[k] = torch.stack([v.float() * ntok, ntok])

@@ -109,6 +109,14 @@ def _varlen_attn():
 _varlen_failed: str | None = None     # first error of varlen under ``auto``: later calls use flex
 
 
+def chain_pack_backend(device: torch.device) -> str:
+    """The kernel ``auto`` runs on trajectory (branch-free) packs in bf16 on ``device``: ``varlen``
+    (FlashAttention) where torch has it and it has not failed, else ``flex``; ``torch`` on CPU."""
+    if device.type != "cuda":
+        return "torch"
+    return "varlen" if _varlen_failed is None and _varlen_attn() is not None else "flex"
+
+
 def varlen_applies(q: torch.Tensor, pack: TreePack) -> bool:
     """Whether the ``varlen`` backend can run these inputs (see module docstring)."""
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_failed is None
