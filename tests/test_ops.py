@@ -330,3 +330,18 @@ def test_plan_gather_backward_equals_index_select(case):
     want = run(lambda x: x.index_select(0, plan.gather_all), lambda o: o.index_select(0, plan.out_index))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_chain_pack_backend(monkeypatch):
+    """The kernel ``auto`` uses on trajectory packs (what benchmarks report as the baseline's
+    attention): torch on CPU; on CUDA varlen where torch has it and it has not failed, else flex."""
+    from megatron_harts.ops import attention
+    cuda = torch.device("cuda")
+    assert attention.chain_pack_backend(torch.device("cpu")) == "torch"
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: object())
+    assert attention.chain_pack_backend(cuda) == "varlen"
+    monkeypatch.setattr(attention, "_varlen_failed", "RuntimeError: no FlashAttention build")
+    assert attention.chain_pack_backend(cuda) == "flex"
+    monkeypatch.setattr(attention, "_varlen_failed", None)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: None)
+    assert attention.chain_pack_backend(cuda) == "flex"
