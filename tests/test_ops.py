@@ -345,23 +345,3 @@ def test_chain_pack_backend(monkeypatch):
     monkeypatch.setattr(attention, "_varlen_failed", None)
     monkeypatch.setattr(attention, "_varlen_attn", lambda: None)
     assert attention.chain_pack_backend(cuda) == "flex"
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_disjoint_runs(seed):
-    """Runs partition the positions, hold distinct values each, and a run-by-run scatter-add
-    equals the plain one."""
-    from megatron_harts.ops.plan import disjoint_runs
-    rng = np.random.default_rng(seed)
-    index = rng.integers(0, rng.integers(1, 20), size=rng.integers(0, 60))
-    order, bounds = disjoint_runs(index)
-    assert sorted(order.tolist()) == list(range(len(index))) and bounds[0] == 0 and bounds[-1] == len(index)
-    for i, j in zip(bounds[:-1], bounds[1:]):
-        run = index[order[i:j]]
-        assert j > i and len(set(run.tolist())) == len(run)
-    src = torch.from_numpy(rng.standard_normal((len(index), 3)))
-    want = torch.zeros(20, 3, dtype=torch.float64).index_add_(0, torch.from_numpy(index), src)
-    got = torch.zeros(20, 3, dtype=torch.float64)
-    for i, j in zip(bounds[:-1], bounds[1:]):
-        got.index_add_(0, torch.from_numpy(index[order[i:j]]), src[torch.from_numpy(order[i:j])])
-    assert torch.allclose(got, want)

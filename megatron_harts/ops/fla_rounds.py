@@ -9,9 +9,8 @@ backward (the backward recomputes the states, as fla does) plus a fixed number o
 instead of R full fla calls each way.
 
 States between rounds: round r's final states (fp32) are gathered by ``init_from`` into round
-r+1's initial states; backward sums the initial-state gradients (``dh0``) of each sequence's
-children into the previous round's final-state gradients (``dht``), in conflict-free runs
-(``plan.disjoint_runs``: deterministic on CUDA).
+r+1's initial states; backward scatter-adds the initial-state gradients (``dh0``) back into the
+previous round's final-state gradients (``dht``).
 
 The recurrence kernels are launched here directly (fla's wrappers around them allocate per call
 and, for simple GLA, read the chunk count with ``.item()``): each round writes its states and
@@ -60,13 +59,11 @@ class VarlenChunks:
 @dataclass
 class FusedRounds:
     """``all``: the rounds' sequences as one varlen batch; ``rounds[r]``: round r alone (its
-    own token offsets, zero-based); ``init_from[r]``: rows of round r-1's final states;
-    ``init_grad_runs[r]``: ``ChunkRound.init_grad_runs``."""
+    own token offsets, zero-based); ``init_from[r]``: rows of round r-1's final states."""
 
     all: VarlenChunks
     rounds: list[VarlenChunks]
     init_from: list[torch.Tensor | None]
-    init_grad_runs: list[list[tuple[torch.Tensor, torch.Tensor]]]
     chunk_size: int
 
 
@@ -84,19 +81,14 @@ def fused_rounds(pack: TreePack, chunk_size: int) -> FusedRounds:
             rounds.append(VarlenChunks.build(c, chunk_size, dev, int(s), chunk_start))
             chunk_start = rounds[-1].chunks.stop
         return FusedRounds(VarlenChunks.build(cu_all, chunk_size, dev), rounds,
-                           [rd.init_from for rd in plan.rounds], [rd.init_grad_runs for rd in plan.rounds],
-                           chunk_size)
+                           [rd.init_from for rd in plan.rounds], chunk_size)
 
     return pack.cached(("fla_fused_rounds", chunk_size, str(pack.device)), build)
 
 
 def _prev_final_grad(fr: FusedRounds, r: int, dh0: torch.Tensor) -> torch.Tensor:
-    """Gradient of round r-1's final states from round r's initial-state gradient ``dh0``: the sum
-    over each sequence's children, run by run (distinct rows per call: deterministic on CUDA)."""
-    out = dh0.new_zeros((fr.rounds[r - 1].num_seqs, *dh0.shape[1:]))
-    for rows, children in fr.init_grad_runs[r]:
-        out.index_add_(0, rows, dh0.index_select(0, children))
-    return out
+    """Gradient of round r-1's final states from round r's initial-state gradient ``dh0``."""
+    return dh0.new_zeros((fr.rounds[r - 1].num_seqs, *dh0.shape[1:])).index_add_(0, fr.init_from[r], dh0)
 
 
 def _init_state(fr: FusedRounds, r: int, final: torch.Tensor | None) -> torch.Tensor | None:

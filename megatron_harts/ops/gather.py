@@ -4,8 +4,7 @@
 owned by exactly one position (``out_index``), the other N - T positions are replay, so the
 backward is a gather of the owned rows plus the replay rows' gradients summed in fp32 per
 distinct token (a token can be replayed once per branch), instead of an atomic ``index_add_``
-over all N rows in the input dtype. The sum runs in ``plan.replay_bounds`` runs whose rows are
-distinct, so it is deterministic on CUDA.
+over all N rows in the input dtype.
 ``owned_outputs``: o ``[N, ...]`` -> ``o[plan.out_index]`` ``[T, ...]``; backward is one copy
 (injective index, replay positions get zero gradient).
 """
@@ -18,9 +17,8 @@ from .plan import ChunkPlan
 
 class _GatherRounds(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gather_all, out_index, replay_pos, replay_rows, replay_slot, replay_bounds):
+    def forward(ctx, x, gather_all, out_index, replay_pos, replay_rows, replay_slot):
         ctx.save_for_backward(out_index, replay_pos, replay_rows, replay_slot)
-        ctx.replay_bounds = replay_bounds
         return x.index_select(0, gather_all)
 
     @staticmethod
@@ -29,11 +27,9 @@ class _GatherRounds(torch.autograd.Function):
         gx = gy.index_select(0, out_index)
         if replay_pos.numel():
             acc = gx.index_select(0, replay_rows).float()
-            b = ctx.replay_bounds
-            for i, j in zip(b[:-1], b[1:]):       # distinct slots per run: no racing atomics
-                acc.index_add_(0, replay_slot[i:j], gy.index_select(0, replay_pos[i:j]).float())
+            acc.index_add_(0, replay_slot, gy.index_select(0, replay_pos).float())
             gx.index_copy_(0, replay_rows, acc.to(gx.dtype))
-        return gx, None, None, None, None, None, None
+        return gx, None, None, None, None, None
 
 
 class _OwnedOutputs(torch.autograd.Function):
@@ -52,7 +48,7 @@ class _OwnedOutputs(torch.autograd.Function):
 def gather_rounds(x: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     """``x[plan.gather_all]`` with the backward described in the module docstring."""
     return _GatherRounds.apply(x, plan.gather_all, plan.out_index, plan.replay_pos, plan.replay_rows,
-                               plan.replay_slot, plan.replay_bounds)
+                               plan.replay_slot)
 
 
 def owned_outputs(o: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:

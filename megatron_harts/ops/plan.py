@@ -33,9 +33,7 @@ class ChunkRound:
     cu_seqlens: int64 ``[S + 1]`` (device), ``cu_seqlens_cpu`` the same on the host.
     init_from: int64 ``[S]`` row of the previous round's final states each sequence starts
     from (None in round 0: zero states). keep: int64 ``[M]`` packed positions that are owned
-    (not replay); their outputs are the round's results. init_grad_runs: ``init_from`` split by
-    :func:`disjoint_runs` into (previous-round rows, this round's rows) pairs, distinct rows within
-    a pair, for scattering initial-state gradients back without atomic conflicts (empty in round 0).
+    (not replay); their outputs are the round's results.
     """
 
     gather: torch.Tensor
@@ -43,7 +41,6 @@ class ChunkRound:
     cu_seqlens_cpu: torch.Tensor
     init_from: torch.Tensor | None
     keep: torch.Tensor
-    init_grad_runs: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -55,9 +52,7 @@ class ChunkPlan:
     out_index: int64 ``[T]``, where compact token u's owned output sits in ``cat(o_r)``;
     replay_pos: int64 ``[P]``, the other (replayed) positions of ``cat(o_r)``; replay_rows: int64
     ``[U]``, the distinct compact tokens they hold, and replay_slot ``[P]`` which of those each holds;
-    so the gather's backward is a gather plus P accumulations into U rows. ``replay_bounds``
-    (host): replay_pos / replay_slot are ordered in :func:`disjoint_runs` runs, each run's slots
-    distinct, so the accumulation is a few conflict-free ``index_add_`` calls (deterministic on CUDA).
+    so the gather's backward is a gather plus P accumulations into U rows.
     """
 
     rounds: list[ChunkRound]
@@ -67,7 +62,6 @@ class ChunkPlan:
     replay_pos: torch.Tensor
     replay_rows: torch.Tensor
     replay_slot: torch.Tensor
-    replay_bounds: list[int]
     chunk_size: int
     num_sequences: int
     num_replay_tokens: int
@@ -75,20 +69,6 @@ class ChunkPlan:
     @property
     def num_rounds(self) -> int:
         return len(self.rounds)
-
-
-def disjoint_runs(index: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    """A stable order of the positions of ``index`` and run bounds such that within each run
-    ``index[order[b[j]:b[j+1]]]`` has no repeated value (run j holds every value's j-th
-    occurrence). A scatter-add over ``index`` done run by run has no two writes to one row per
-    call, so it is deterministic on CUDA (atomics never race), in a fixed summation order."""
-    index = np.asarray(index, dtype=np.int64)
-    by_value = np.argsort(index, kind="stable")
-    sorted_index = index[by_value]
-    occurrence = np.arange(len(index)) - np.searchsorted(sorted_index, sorted_index, side="left")
-    order = by_value[np.argsort(occurrence, kind="stable")]
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(occurrence))]).astype(np.int64)
-    return order, bounds.tolist()
 
 
 def _depth_in_forest(parent: np.ndarray) -> np.ndarray:
@@ -186,25 +166,17 @@ def chunk_plan(pack: TreePack, chunk_size: int | None = None) -> ChunkPlan:
         h = pack.cached(("host", "chunk_plan", C), host)
         dev = pack.device
         t = lambda a: torch.from_numpy(a).to(dev)
-        def runs(init_from):
-            if init_from is None:
-                return []
-            order, b = disjoint_runs(init_from)
-            return [(t(init_from[order[i:j]]), t(order[i:j])) for i, j in zip(b[:-1], b[1:])]
-
         rounds = [ChunkRound(gather=t(rd["gather"]), cu_seqlens=t(rd["cu_seqlens"]),
                              cu_seqlens_cpu=torch.from_numpy(rd["cu_seqlens"]),
                              init_from=None if rd["init_from"] is None else t(rd["init_from"]),
-                             keep=t(rd["keep"]), init_grad_runs=runs(rd["init_from"]))
+                             keep=t(rd["keep"]))
                   for rd in h["rounds"]]
         owned = np.zeros(len(h["gather_all"]), dtype=bool)
         owned[h["out_index"]] = True
         replay_pos = np.flatnonzero(~owned)
         rows, slot = np.unique(h["gather_all"][replay_pos], return_inverse=True)
-        order, bounds = disjoint_runs(slot)
-        return ChunkPlan(rounds, t(h["gather_all"]), h["round_sizes"], t(h["out_index"]), t(replay_pos[order]),
-                         t(rows), t(slot[order].astype(np.int64)), bounds, C, h["num_sequences"],
-                         h["num_replay_tokens"])
+        return ChunkPlan(rounds, t(h["gather_all"]), h["round_sizes"], t(h["out_index"]), t(replay_pos), t(rows),
+                         t(slot.astype(np.int64)), C, h["num_sequences"], h["num_replay_tokens"])
 
     return pack.cached(("chunk_plan", C, str(pack.device)), device)
 
