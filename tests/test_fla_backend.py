@@ -7,6 +7,7 @@ H200 runs; inputs are fp32 and small (chunk 16, K=V=16) to keep the interpreter 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_harts.ops import chunk_plan, tree_causal_conv1d, tree_gated_delta_rule, tree_simple_gla
 from megatron_harts.packing import pack
@@ -115,3 +116,62 @@ def test_save_fla_autotune_writes_entries_fla_can_look_up(tmp_path, monkeypatch)
         entry = KernelConfigFile.from_dict(path, json.loads(path.read_text())).lookup_exact(AutotuneKey(key))
         assert entry is not None and entry["config"]["kwargs"] == tuners[name].configs[0].kwargs, name
         assert entry["config"]["num_warps"] == tuners[name].configs[0].num_warps
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts aten ops by name (views included) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _launches(fn, inputs) -> tuple[dict, int]:
+    """aten ops and Triton kernel launches of one forward + backward of ``fn`` (plans prebuilt)."""
+    import triton.runtime.interpreter as interpreter
+
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    fn(*leaves)                                        # builds and caches the pack's plans
+    launches = []
+    run = interpreter.InterpretedFunction.run
+
+    def counted(self, *a, **k):
+        launches.append(self)
+        return run(self, *a, **k)
+    interpreter.InterpretedFunction.run = counted
+    try:
+        with _CountOps() as ops:
+            fn(*leaves).sum().backward()
+    finally:
+        interpreter.InterpretedFunction.run = run
+    return ops.ops, len(launches)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="counts launches through Triton's interpreter (CPU only)")
+@pytest.mark.parametrize("op", ["gdn", "simple_gla"])
+def test_fla_path_has_no_host_syncs_and_launches_per_round_not_per_token(op):
+    """The layer-time contract (plans built once, then layers only index): no ``.item()`` /
+    ``nonzero`` style host syncs in forward + backward, and the same aten ops and Triton launches
+    for two packs with the same number of rounds but twice the tokens and trajectories."""
+    from megatron_harts import workloads as W
+    from megatron_harts.tree import trees_from_trajectories
+    counts, rounds = [], set()
+    for tokens in (1024, 2048):
+        p = pack(trees_from_trajectories(W.sweep_batch(tokens, 4.0, tokens_per_group=512, vocab_size=64, seed=0)),
+                 chunk_size=C)
+        rounds.add(chunk_plan(p, C).num_rounds)
+        x = _inputs(p.num_tokens, 1, 1, 16, 16, seed=5)
+        if op == "gdn":
+            ops, n = _launches(lambda *a: tree_gated_delta_rule(*a, p, chunk_size=C, backend="fla"), x)
+        else:
+            ops, n = _launches(lambda *a: tree_simple_gla(*a, p, chunk_size=C, backend="fla"), x[:4])
+        syncs = {k: v for k, v in ops.items() if any(s in k for s in ("_local_scalar_dense", "nonzero", "unique",
+                                                                       "masked_select", "repeat_interleave"))}
+        assert not syncs, syncs
+        counts.append((ops, n))
+    assert len(rounds) == 1 and rounds.pop() >= 2
+    assert counts[0] == counts[1]
