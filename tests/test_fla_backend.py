@@ -152,7 +152,7 @@ def _launches(fn, inputs) -> tuple[dict, int]:
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="counts launches through Triton's interpreter (CPU only)")
-@pytest.mark.parametrize("op", ["gdn", "simple_gla"])
+@pytest.mark.parametrize("op", ["gdn", "simple_gla", "conv"])
 def test_fla_path_has_no_host_syncs_and_launches_per_round_not_per_token(op):
     """The layer-time contract (plans built once, then layers only index): no ``.item()`` /
     ``nonzero`` style host syncs in forward + backward, and the same aten ops and Triton launches
@@ -167,6 +167,10 @@ def test_fla_path_has_no_host_syncs_and_launches_per_round_not_per_token(op):
         x = _inputs(p.num_tokens, 1, 1, 16, 16, seed=5)
         if op == "gdn":
             ops, n = _launches(lambda *a: tree_gated_delta_rule(*a, p, chunk_size=C, backend="fla"), x)
+        elif op == "conv":
+            g = torch.Generator().manual_seed(6)
+            xw = [torch.randn(*s, generator=g) for s in ((p.num_tokens, 8), (8, 4), (8,))]
+            ops, n = _launches(lambda *a: tree_causal_conv1d(*a, p, activation="silu", backend="fla"), xw)
         else:
             ops, n = _launches(lambda *a: tree_simple_gla(*a, p, chunk_size=C, backend="fla"), x[:4])
         syncs = {k: v for k, v in ops.items() if any(s in k for s in ("_local_scalar_dense", "nonzero", "unique",
