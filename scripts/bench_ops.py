@@ -60,7 +60,9 @@ def profile(fn, path: str, reps: int = 3) -> None:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
 
-def bench_case(total: int, compression: float, args) -> list[dict]:
+def bench_case(total: int, compression: float, args, on_row=lambda row: None) -> list[dict]:
+    """Rows of every op in ``args.ops`` on one sweep batch; ``on_row`` sees each row as soon as it is
+    measured (so a run stopped midway keeps what it measured)."""
     from fla.modules.causal_conv1d.ops import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.simple_gla import chunk_simple_gla
@@ -94,6 +96,7 @@ def bench_case(total: int, compression: float, args) -> list[dict]:
                  rounds=plan_host.num_rounds, replay_tokens=plan_host.num_replay_tokens, **extra)
         r["meets_target"] = r["speedup"] >= r["target"]
         rows.append(r)
+        on_row(r)
         print(f"  {op:<10} {N:>7} tok {N / T:5.2f}x  tree {tree_ms:8.2f} ms  traj {traj_ms:8.2f} ms  "
               f"speedup {r['speedup']:5.2f} (target {r['target']:.2f})", flush=True)
 
@@ -216,11 +219,14 @@ def main():
                 reps=args.reps)
     rows = []
     path = os.path.join(args.out, "ops.json")
+
+    def save(row):
+        rows.append(dict(row, run=args.run_label) if args.run_label else row)
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for total in map(int, args.sizes.split(",")):
         for c in map(float, args.compressions.split(",")):
-            rows += [dict(r, run=args.run_label) if args.run_label else r for r in bench_case(total, c, args)]
-            with open(path, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            bench_case(total, c, args, on_row=save)
             if args.save_fla_configs:
                 save_fla_autotune(args.save_fla_configs)
     print(f"\n{'op':<10} {'tokens':>7} {'compr':>6} {'tree ms':>9} {'traj ms':>9} {'speedup':>8} {'target':>7}")
