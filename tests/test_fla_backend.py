@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_harts.ops import chunk_plan, tree_causal_conv1d, tree_gated_delta_rule, tree_simple_gla
-from megatron_harts.packing import pack
+from megatron_harts.packing import pack, pack_trajectories
 from megatron_harts.tree import RolloutTree
 from trees import corner_cases, random_trees
 
@@ -79,9 +79,13 @@ def test_simple_gla_fla(case):
     _check_backends(lambda *x, backend: tree_simple_gla(*x, p, chunk_size=C, backend=backend), [q, k, v, g])
 
 
-@pytest.mark.parametrize("case", ["one_past", "duplicates", "multi_root"])
+@pytest.mark.parametrize("case", ["one_past", "duplicates", "multi_root", "trajectory_pack"])
 def test_causal_conv1d_fla(case):
-    p = _pack(corner_cases(C)[case])
+    """Tree packs (fla conv patched after branch points) and a trajectory pack (fla's varlen conv)."""
+    if case == "trajectory_pack":
+        p = pack_trajectories([RolloutTree.from_trajectories(corner_cases(C)["multi_root"])], chunk_size=C).to(DEV)
+    else:
+        p = _pack(corner_cases(C)[case])
     g = torch.Generator().manual_seed(4)
     x, w, b = (torch.randn(*s, generator=g).to(DEV) for s in ((p.num_tokens, 8), (8, 4), (8,)))
     _check_backends(lambda *a, backend: tree_causal_conv1d(*a, p, activation="silu", backend=backend), [x, w, b])

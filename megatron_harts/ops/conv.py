@@ -1,11 +1,14 @@
 """Tree-aware short causal depthwise convolution (the GDN / Mamba2 conv1d)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from ..packing import TreePack
-from .plan import conv_ancestors, conv_fix_rows
+from .attention import is_chain_pack
+from .plan import conv_ancestors, conv_fix_plan
 
 ACTIVATIONS = (None, "silu", "swish")
 BACKENDS = ("auto", "torch", "fla")
@@ -21,7 +24,8 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     Backends: ``torch`` gathers the W ancestors of every token. ``fla`` runs fla's causal conv
     over the compact array as one sequence (right wherever the previous W-1 compact tokens are
     the ancestors, i.e. away from branch points) and recomputes only the rows within W-1 tokens
-    after a branch or root with the gather form.
+    after a branch or root with the gather form; on packs without branches (trajectory packs) it
+    is fla's varlen conv over the trajectories, exactly what a THD baseline runs.
     """
     if x.dim() != 2 or x.shape[0] != pack.num_tokens:
         raise ValueError(f"x: expected [{pack.num_tokens}, D], got {tuple(x.shape)}")
@@ -34,24 +38,66 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if backend == "auto":
         backend = "fla" if x.is_cuda else "torch"
     W = weight.shape[1]
-    anc = conv_ancestors(pack, W)
     if backend == "torch":
-        return _gather_conv(x, weight, bias, anc, activation)
-    from fla.modules.causal_conv1d.ops import causal_conv1d
+        return _gather_conv(x, weight, bias, conv_ancestors(pack, W), activation)
+    if is_chain_pack(pack):       # trajectory packs (the THD baseline): fla's varlen conv, nothing to patch
+        from fla.modules.causal_conv1d.ops import causal_conv1d
 
-    rows = conv_fix_rows(pack, W)
-    y, _ = causal_conv1d(x.unsqueeze(0), weight, bias, activation=activation)
-    y, fix = y.squeeze(0), _gather_conv(x, weight, bias, anc[:, rows], activation)
-    # fla saves only its inputs, so patching its output in place is safe for autograd, unless
-    # the output is a view made inside fla's autograd Function (autograd then refuses at once).
-    try:
-        return y.index_copy_(0, rows, fix)
-    except RuntimeError:
-        return y.index_copy(0, rows, fix)
+        cu, cu_cpu = pack.cached(("conv_segments", str(pack.device)),
+                                 lambda: (pack.root_cu_seqlens.long(), pack.root_cu_seqlens.long().cpu()))
+        return causal_conv1d(x.unsqueeze(0), weight, bias, activation=activation, cu_seqlens=cu,
+                             cu_seqlens_cpu=cu_cpu)[0].squeeze(0)
+    rows, sources, local = conv_fix_plan(pack, W)
+    return _TreeConvFla.apply(x, weight, bias, rows, sources, local, activation)
+
+
+class _TreeConvFla(torch.autograd.Function):
+    """fla's causal conv over the compact array as one sequence, rows ``rows`` replaced by the
+    gather form over their ancestor windows (``sources`` / ``local``, see ``plan.conv_fix_plan``).
+
+    Backward: fla's conv backward with the replaced rows' output gradient zeroed, plus the fix-up's
+    gradient from a small autograd graph over the U source rows, added into dx in place (distinct
+    rows). No [T, D] zero buffers per window tap, no out-of-place copies of y."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, rows, sources, local, activation):
+        from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+
+        weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()
+
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            y, _ = causal_conv1d_fwd(x=x.unsqueeze(0), weight=weight, bias=bias, residual=None,
+                                     activation=activation)
+        y = y.squeeze(0)
+        y.index_copy_(0, rows, _gather_conv(x.index_select(0, sources), weight, bias, local, activation))
+        ctx.save_for_backward(x, weight, bias, rows, sources, local)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+        x, weight, bias, rows, sources, local = ctx.saved_tensors
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            dx, dw, db, _, _ = causal_conv1d_bwd(x=x.unsqueeze(0), dy=dy.index_fill(0, rows, 0).unsqueeze(0), dht=None,
+                                                 weight=weight, bias=bias, residual=None, initial_state=None,
+                                                 activation=ctx.activation)
+        dx = dx.squeeze(0)
+        with torch.enable_grad():
+            leaves = [x.index_select(0, sources).detach().requires_grad_(), weight.detach().requires_grad_()]
+            if bias is not None:
+                leaves.append(bias.detach().requires_grad_())
+            fix = _gather_conv(leaves[0], leaves[1], leaves[2] if bias is not None else None, local, ctx.activation)
+            grads = torch.autograd.grad(fix, leaves, dy.index_select(0, rows))
+        dx.index_add_(0, sources, grads[0].to(dx.dtype))
+        dw = dw + grads[1]
+        db = db + grads[2] if bias is not None else None
+        return dx, dw, db, None, None, None, None
 
 
 def _gather_conv(x, weight, bias, anc, activation):
-    """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` ancestor indices (``T`` = past a root)."""
+    """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` row indices into x (``len(x)`` = past a root)."""
     T, W = x.shape[0], weight.shape[1]
     y = None
     for j in range(W):

@@ -215,3 +215,27 @@ def conv_fix_rows(pack: TreePack, width: int) -> torch.Tensor:
 
     return pack.cached(("conv_fix_rows", width, str(pack.device)),
                        lambda: torch.from_numpy(pack.cached(("host", "conv_fix_rows", width), host)).to(pack.device))
+
+
+def conv_fix_plan(pack: TreePack, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows [R], sources [U], local [width, R])`` for patching a plain causal conv over the compact
+    array: ``rows`` = :func:`conv_fix_rows`; ``sources`` the distinct tokens their ancestor windows
+    read; ``local[j, i]`` the position in ``sources`` of row i's j-th ancestor (``U`` past a root).
+    Lets the fix-up gather U rows instead of reading, and back-propagating into, all T."""
+
+    def host():
+        anc = pack.cached(("host", "conv_ancestors", width), lambda: conv_ancestors(pack, width).cpu().numpy())
+        rows = pack.cached(("host", "conv_fix_rows", width), lambda: conv_fix_rows(pack, width).cpu().numpy())
+        window = anc[:, rows]
+        T = anc.shape[1]
+        sources, local = np.unique(window, return_inverse=True)
+        local = local.reshape(window.shape).astype(np.int64)
+        if sources.size and sources[-1] == T:      # the past-a-root sentinel: keep it past the end
+            sources = sources[:-1]
+        return rows, sources.astype(np.int64), local
+
+    def device():
+        rows, sources, local = pack.cached(("host", "conv_fix_plan", width), host)
+        return tuple(torch.from_numpy(a).to(pack.device) for a in (rows, sources, local))
+
+    return pack.cached(("conv_fix_plan", width, str(pack.device)), device)
