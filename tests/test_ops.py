@@ -345,3 +345,22 @@ def test_chain_pack_backend(monkeypatch):
     monkeypatch.setattr(attention, "_varlen_failed", None)
     monkeypatch.setattr(attention, "_varlen_attn", lambda: None)
     assert attention.chain_pack_backend(cuda) == "flex"
+
+
+def test_token_logprobs_no_host_sync_after_the_first_call():
+    """The vocabulary check and the trajectory lengths are read from the device once per pack."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Syncs(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Syncs.n += "_local_scalar_dense" in str(func) or "nonzero" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    p = _pack(corner_cases(8)["multi_root"], 8)
+    logits = torch.randn(p.num_tokens, int(p.tokens.max()) + 1, requires_grad=True)
+    tree_token_logprobs(logits, p)
+    with Syncs():
+        sum(lp.sum() for lp in tree_token_logprobs(logits, p)).backward()
+    assert Syncs.n == 0

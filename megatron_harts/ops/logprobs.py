@@ -29,8 +29,9 @@ def node_logprobs(logits: torch.Tensor, pack: TreePack, tp_group=None) -> torch.
     src = pack.parent.clamp(min=0)
     label = pack.tokens
     if tp_group is None:
-        if int(label.max()) >= logits.shape[1]:
-            raise ValueError(f"token id {int(label.max())} outside the logits' vocabulary of {logits.shape[1]}")
+        top = pack.cached(("host", "max_token"), lambda: int(label.max()))     # one host read per pack
+        if top >= logits.shape[1]:
+            raise ValueError(f"token id {top} outside the logits' vocabulary of {logits.shape[1]}")
         lse = torch.logsumexp(logits, dim=-1)
         target = logits[src, label]
     else:
