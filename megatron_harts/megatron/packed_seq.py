@@ -42,7 +42,7 @@ def tree_packed_seq_params(pack: TreePack) -> TreePackedSeqParams:
     T = pack.num_tokens
     cu = pack.root_cu_seqlens
     whole = torch.tensor([0, T], dtype=torch.int32)     # host: Megatron's THD RoPE reads it with .item()
-    max_len = int(pack.trajectory_lengths.max())
+    max_len = pack.cached(("host", "max_trajectory_length"), lambda: int(pack.trajectory_lengths.max()))
     return TreePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=whole,
                                cu_seqlens_kv_padded=whole, max_seqlen_q=max_len, max_seqlen_kv=max_len,
                                tree_pack=pack)
