@@ -183,3 +183,15 @@ def test_fla_path_has_no_host_syncs_and_launches_per_round_not_per_token(op):
         counts.append((ops, n))
     assert len(rounds) == 1 and rounds.pop() >= 2
     assert counts[0] == counts[1]
+
+
+def test_causal_conv1d_fla_strided_input_no_bias_no_activation():
+    """The layout the layers pass: x a column slice of a wider projection (row stride != D)."""
+    p = _pack(corner_cases(C)["multi_root"])
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(p.num_tokens, 20, generator=g).to(DEV)
+    w = torch.randn(8, 4, generator=g).to(DEV)
+
+    def fn(wide, w, backend):
+        return tree_causal_conv1d(wide[:, 4:12], w, None, p, activation=None, backend=backend)
+    _check_backends(fn, [wide, w])

@@ -55,9 +55,11 @@ class _TreeConvFla(torch.autograd.Function):
     """fla's causal conv over the compact array as one sequence, rows ``rows`` replaced by the
     gather form over their ancestor windows (``sources`` / ``local``, see ``plan.conv_fix_plan``).
 
-    Backward: fla's conv backward with the replaced rows' output gradient zeroed, plus the fix-up's
-    gradient from a small autograd graph over the U source rows, added into dx in place (distinct
-    rows). No [T, D] zero buffers per window tap, no out-of-place copies of y."""
+    The fix-up is computed in fp32 (as fla accumulates) over the U source rows. Backward: fla's conv
+    backward with the replaced rows' output gradient zeroed, plus the fix-up's gradient from a small
+    fp32 autograd graph over the source rows, added into dx in place (distinct rows). No [T, D] zero
+    buffers per window tap, no out-of-place copies of y. Like fla's own conv, the output is a view
+    and must not be modified in place."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows, sources, local, activation):
@@ -69,7 +71,9 @@ class _TreeConvFla(torch.autograd.Function):
             y, _ = causal_conv1d_fwd(x=x.unsqueeze(0), weight=weight, bias=bias, residual=None,
                                      activation=activation)
         y = y.squeeze(0)
-        y.index_copy_(0, rows, _gather_conv(x.index_select(0, sources), weight, bias, local, activation))
+        fix = _gather_conv(x.index_select(0, sources).float(), weight.float(),
+                           None if bias is None else bias.float(), local, activation)
+        y.index_copy_(0, rows, fix.to(y.dtype))
         ctx.save_for_backward(x, weight, bias, rows, sources, local)
         ctx.activation = activation
         return y
@@ -85,14 +89,14 @@ class _TreeConvFla(torch.autograd.Function):
                                                  activation=ctx.activation)
         dx = dx.squeeze(0)
         with torch.enable_grad():
-            leaves = [x.index_select(0, sources).detach().requires_grad_(), weight.detach().requires_grad_()]
+            leaves = [t.detach().float().requires_grad_() for t in (x.index_select(0, sources), weight)]
             if bias is not None:
-                leaves.append(bias.detach().requires_grad_())
+                leaves.append(bias.detach().float().requires_grad_())
             fix = _gather_conv(leaves[0], leaves[1], leaves[2] if bias is not None else None, local, ctx.activation)
-            grads = torch.autograd.grad(fix, leaves, dy.index_select(0, rows))
+            grads = torch.autograd.grad(fix, leaves, dy.index_select(0, rows).float())
         dx.index_add_(0, sources, grads[0].to(dx.dtype))
-        dw = dw + grads[1]
-        db = db + grads[2] if bias is not None else None
+        dw = (dw.float() + grads[1]).to(dw.dtype)
+        db = (db.float() + grads[2]).to(db.dtype) if bias is not None else None
         return dx, dw, db, None, None, None, None
 
 

@@ -181,11 +181,8 @@ def chunk_plan(pack: TreePack, chunk_size: int | None = None) -> ChunkPlan:
     return pack.cached(("chunk_plan", C, str(pack.device)), device)
 
 
-def conv_ancestors(pack: TreePack, width: int) -> torch.Tensor:
-    """int64 ``[width, T]``: row j holds the j-th ancestor of every token (row 0 = itself),
-    ``T`` (a zero pad row) past a root."""
-
-    def host():
+def _conv_ancestors_host(pack: TreePack, width: int) -> np.ndarray:
+    def build():
         parent = pack.parent.cpu().numpy()
         T = parent.shape[0]
         padded = np.concatenate([np.where(parent >= 0, parent, T), [T]])
@@ -193,18 +190,12 @@ def conv_ancestors(pack: TreePack, width: int) -> torch.Tensor:
         for _ in range(width - 1):
             rows.append(padded[rows[-1]])
         return np.stack(rows)
-
-    return pack.cached(("conv_ancestors", width, str(pack.device)),
-                       lambda: torch.from_numpy(pack.cached(("host", "conv_ancestors", width), host)).to(pack.device))
+    return pack.cached(("host", "conv_ancestors", width), build)
 
 
-def conv_fix_rows(pack: TreePack, width: int) -> torch.Tensor:
-    """int64 ``[R]``: tokens whose W-1 ancestors are not simply the W-1 previous compact tokens
-    (zero-padded before index 0), i.e. the rows a plain causal conv over the compact array
-    gets wrong."""
-
-    def host():
-        anc = pack.cached(("host", "conv_ancestors", width), lambda: conv_ancestors(pack, width).cpu().numpy())
+def _conv_fix_rows_host(pack: TreePack, width: int) -> np.ndarray:
+    def build():
+        anc = _conv_ancestors_host(pack, width)
         T = anc.shape[1]
         u = np.arange(T)
         bad = np.zeros(T, dtype=bool)
@@ -212,9 +203,22 @@ def conv_fix_rows(pack: TreePack, width: int) -> torch.Tensor:
             plain = np.where(u - j >= 0, u - j, T)
             bad |= anc[j] != plain
         return np.flatnonzero(bad)
+    return pack.cached(("host", "conv_fix_rows", width), build)
 
+
+def conv_ancestors(pack: TreePack, width: int) -> torch.Tensor:
+    """int64 ``[width, T]``: row j holds the j-th ancestor of every token (row 0 = itself),
+    ``T`` (a zero pad row) past a root."""
+    return pack.cached(("conv_ancestors", width, str(pack.device)),
+                       lambda: torch.from_numpy(_conv_ancestors_host(pack, width)).to(pack.device))
+
+
+def conv_fix_rows(pack: TreePack, width: int) -> torch.Tensor:
+    """int64 ``[R]``: tokens whose W-1 ancestors are not simply the W-1 previous compact tokens
+    (zero-padded before index 0), i.e. the rows a plain causal conv over the compact array
+    gets wrong."""
     return pack.cached(("conv_fix_rows", width, str(pack.device)),
-                       lambda: torch.from_numpy(pack.cached(("host", "conv_fix_rows", width), host)).to(pack.device))
+                       lambda: torch.from_numpy(_conv_fix_rows_host(pack, width)).to(pack.device))
 
 
 def conv_fix_plan(pack: TreePack, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,18 +228,15 @@ def conv_fix_plan(pack: TreePack, width: int) -> tuple[torch.Tensor, torch.Tenso
     Lets the fix-up gather U rows instead of reading, and back-propagating into, all T."""
 
     def host():
-        anc = pack.cached(("host", "conv_ancestors", width), lambda: conv_ancestors(pack, width).cpu().numpy())
-        rows = pack.cached(("host", "conv_fix_rows", width), lambda: conv_fix_rows(pack, width).cpu().numpy())
+        anc, rows = _conv_ancestors_host(pack, width), _conv_fix_rows_host(pack, width)
         window = anc[:, rows]
-        T = anc.shape[1]
         sources, local = np.unique(window, return_inverse=True)
         local = local.reshape(window.shape).astype(np.int64)
-        if sources.size and sources[-1] == T:      # the past-a-root sentinel: keep it past the end
+        if sources.size and sources[-1] == anc.shape[1]:     # the past-a-root sentinel: keep it past the end
             sources = sources[:-1]
         return rows, sources.astype(np.int64), local
 
     def device():
-        rows, sources, local = pack.cached(("host", "conv_fix_plan", width), host)
-        return tuple(torch.from_numpy(a).to(pack.device) for a in (rows, sources, local))
+        return tuple(torch.from_numpy(a).to(pack.device) for a in pack.cached(("host", "conv_fix_plan", width), host))
 
     return pack.cached(("conv_fix_plan", width, str(pack.device)), device)
