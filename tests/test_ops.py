@@ -243,7 +243,7 @@ def test_attention_varlen_path_on_trajectory_packs(new_api, monkeypatch):
     monkeypatch.setattr(attention, "_varlen_attn", lambda: _fake_varlen(new_api))
     trees = [RolloutTree.from_trajectories(t) for t in (corner_cases(8)["deep"], corner_cases(8)["multi_root"])]
     pt = pack_trajectories(trees, chunk_size=8)
-    assert attention.is_chain_pack(pt) and not attention.is_chain_pack(pack(trees, chunk_size=8))
+    assert pt.is_chain and not pack(trees, chunk_size=8).is_chain
     g = torch.Generator().manual_seed(2)
     T = pt.num_tokens
     q, k, v = torch.randn(T, 4, 8, generator=g), torch.randn(T, 2, 8, generator=g), torch.randn(T, 2, 8, generator=g)
@@ -294,16 +294,17 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
 
 @pytest.mark.parametrize("case", list(corner_cases(8)))
 def test_conv_fix_rows_patch_a_plain_conv(case):
-    """The fla conv backend = plain causal conv over the compact array + recomputed fix rows;
-    emulated here with the reference conv on every corner case (test_fla_backend runs fla's kernel)."""
+    """The fla conv backend = plain causal conv over the compact array + fix rows recomputed from
+    their source rows (``conv_fix_plan``); emulated here with the reference conv on every corner
+    case (test_fla_backend runs fla's kernel)."""
     from megatron_harts.ops.conv import _gather_conv
-    from megatron_harts.ops.plan import conv_ancestors, conv_fix_rows
+    from megatron_harts.ops.plan import conv_fix_plan
     p = _pack(corner_cases(8)[case], 8)
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(p.num_tokens, 5, generator=g), torch.randn(5, 4, generator=g), torch.randn(5, generator=g)
-    rows = conv_fix_rows(p, 4)
+    rows, sources, local = conv_fix_plan(p, 4)
     y = ref.causal_conv1d(x, w, b, "silu")
-    y = y.index_copy(0, rows, _gather_conv(x, w, b, conv_ancestors(p, 4)[:, rows], "silu"))
+    y = y.index_copy(0, rows, _gather_conv(x[sources], w, b, local, "silu"))
     for i in p.index_of_trajectory:
         torch.testing.assert_close(y[i], ref.causal_conv1d(x[i], w, b, "silu"), rtol=1e-5, atol=1e-5)
 

@@ -81,14 +81,6 @@ def block_mask(pack: TreePack, block_size: int = 128):
     return pack.cached(("block_mask", block_size, str(pack.device)), build)
 
 
-def is_chain_pack(pack: TreePack) -> bool:
-    """Every root subtree is a single path (no branches): the layout of ``pack_trajectories``."""
-    def build():
-        idx = torch.arange(pack.num_tokens, device=pack.parent.device)
-        return bool(((pack.parent == idx - 1) | (pack.parent < 0)).all())
-    return pack.cached(("is_chain_pack",), build)
-
-
 def _segments(pack: TreePack) -> tuple[torch.Tensor, int]:
     """int32 ``cu_seqlens`` ``[R + 1]`` of the root segments and the longest one (host int)."""
     def build():
@@ -120,7 +112,7 @@ def chain_pack_backend(device: torch.device) -> str:
 def varlen_applies(q: torch.Tensor, pack: TreePack) -> bool:
     """Whether the ``varlen`` backend can run these inputs (see module docstring)."""
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_failed is None
-            and _varlen_attn() is not None and is_chain_pack(pack))
+            and _varlen_attn() is not None and pack.is_chain)
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,7 +168,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: Tree
         else:
             backend = "flex"
     if backend == "varlen":
-        if not is_chain_pack(pack):
+        if not pack.is_chain:
             raise ValueError("backend='varlen' needs a pack without branches (pack_trajectories); "
                              "tree packs need 'flex' or 'torch'")
         if _varlen_attn() is None:

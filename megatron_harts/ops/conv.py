@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from ..packing import TreePack
-from .attention import is_chain_pack
 from .plan import conv_ancestors, conv_fix_plan
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -40,7 +39,7 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     W = weight.shape[1]
     if backend == "torch":
         return _gather_conv(x, weight, bias, conv_ancestors(pack, W), activation)
-    if is_chain_pack(pack):       # trajectory packs (the THD baseline): fla's varlen conv, nothing to patch
+    if pack.is_chain:       # trajectory packs (the THD baseline): fla's varlen conv, nothing to patch
         from fla.modules.causal_conv1d.ops import causal_conv1d
 
         cu, cu_cpu = pack.cached(("conv_segments", str(pack.device)),

@@ -194,6 +194,8 @@ def _conv_ancestors_host(pack: TreePack, width: int) -> np.ndarray:
 
 
 def _conv_fix_rows_host(pack: TreePack, width: int) -> np.ndarray:
+    """Tokens whose W-1 ancestors are not simply the W-1 previous compact tokens (zero-padded
+    before index 0), i.e. the rows a plain causal conv over the compact array gets wrong."""
     def build():
         anc = _conv_ancestors_host(pack, width)
         T = anc.shape[1]
@@ -213,17 +215,10 @@ def conv_ancestors(pack: TreePack, width: int) -> torch.Tensor:
                        lambda: torch.from_numpy(_conv_ancestors_host(pack, width)).to(pack.device))
 
 
-def conv_fix_rows(pack: TreePack, width: int) -> torch.Tensor:
-    """int64 ``[R]``: tokens whose W-1 ancestors are not simply the W-1 previous compact tokens
-    (zero-padded before index 0), i.e. the rows a plain causal conv over the compact array
-    gets wrong."""
-    return pack.cached(("conv_fix_rows", width, str(pack.device)),
-                       lambda: torch.from_numpy(_conv_fix_rows_host(pack, width)).to(pack.device))
-
-
 def conv_fix_plan(pack: TreePack, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rows [R], sources [U], local [width, R])`` for patching a plain causal conv over the compact
-    array: ``rows`` = :func:`conv_fix_rows`; ``sources`` the distinct tokens their ancestor windows
+    array: ``rows`` the tokens it gets wrong (their W-1 ancestors are not the W-1 previous compact
+    tokens: after a branch point or a root); ``sources`` the distinct tokens their ancestor windows
     read; ``local[j, i]`` the position in ``sources`` of row i's j-th ancestor (``U`` past a root).
     Lets the fix-up gather U rows instead of reading, and back-propagating into, all T."""
 

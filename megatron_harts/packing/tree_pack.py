@@ -73,6 +73,15 @@ class TreePack:
             return torch.cat([roots, roots.new_tensor([self.num_tokens])]).to(torch.int32)
         return self.cached(("root_cu_seqlens", str(self.device)), build)
 
+    @property
+    def is_chain(self) -> bool:
+        """Every root subtree is a single path (no branches): the layout of ``pack_trajectories``,
+        where tree ops reduce to their varlen (THD) kernels. Cached."""
+        def build():
+            idx = torch.arange(self.num_tokens, device=self.parent.device)
+            return bool(((self.parent == idx - 1) | (self.parent < 0)).all())
+        return self.cached(("is_chain",), build)
+
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """Return the plan stored under ``key``, building it once with ``build()``."""
         if key not in self._cache:
