@@ -16,8 +16,11 @@ pack positions and reduction orders): ``baseline_rerun``, the bf16 noise floor. 
 attention is FlashAttention varlen (``ops.attention.chain_pack_backend``), it also runs on
 FlexAttention, the tree's kernel: ``baseline_flex`` (what the kernel alone changes) and
 ``tree_vs_baseline_flex`` (the like-for-like comparison). Exit status 1 when the like-for-like tree
-difference exceeds ``--noise-factor`` times the rerun's (log-probs and loss; gradients against
-the worst rerun gradient difference), each floored by ``BF16_FLOOR``.
+difference exceeds ``--noise-factor`` times the bf16 noise floor (log-probs and loss; gradients
+against the worst gradient difference): the larger of the rerun's and the kernel switch's
+(``baseline_flex``) differences, floored by ``BF16_FLOOR`` (see :func:`within_noise`). FlashAttention
+varlen is batch-invariant, so its reversed rerun can reproduce the baseline bit for bit (log-prob
+difference 0 on the H200) and alone would not measure bf16 noise.
 
 The loss is ``sum_i <logprobs_i, w_i>`` with random weights. Exit status 1 when a difference
 exceeds ``--tol`` (``--decay-tol`` for the GDN ``A_log``/``dt_bias`` grads: ``[HV]`` sums over all
@@ -84,6 +87,14 @@ def run_reversed(model, trees, layout, weights, chunk_size: int, device: str):
     return [lp for c in chunks for lp in c], loss, grads
 
 
+def within_noise(diff: dict, noise: list[dict], factor: float) -> list[str]:
+    """Keys of ``BF16_FLOOR`` where ``diff`` exceeds ``factor`` x the noise floor: the largest of the
+    ``noise`` comparisons (each a :func:`compare` result of two correct baseline runs: reordered,
+    other attention kernel), at least ``BF16_FLOOR``. Empty when within noise."""
+    return [k for k in BF16_FLOOR
+            if not diff[k] <= factor * max([BF16_FLOOR[k]] + [n[k] for n in noise])]
+
+
 def compare(got, want) -> dict:
     """Differences of two ``run_packed`` results (log-probs absolute, loss and grads relative)."""
     grad_errs = {n: rel_diff(got[2][n], want[2][n]) for n in want[2]}
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=["tiny", "1.5b"], default="tiny", help="1.5b: HYBRID_1P5B (cuda only)")
     ap.add_argument("--spec", choices=["local", "te"], default="local",
                     help="cuda: layer spec (te = Transformer Engine modules, needs TE)")
-    ap.add_argument("--noise-factor", type=float, default=3.0, help="cuda: allowed multiple of the rerun's differences")
+    ap.add_argument("--noise-factor", type=float, default=3.0, help="cuda: allowed multiple of the bf16 noise floor")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     ap.add_argument("--tol", type=float, default=1e-5)
@@ -173,18 +184,21 @@ def _main_cuda(args) -> int:
     rerun = run_reversed(model, trees, pack_trajectories, weights, args.chunk_size, "cuda")
     tree = run_packed(model, trees, pack, weights, args.chunk_size, "cuda")
     res, noise = compare(tree, base), compare(rerun, base)
-    same_kernel = res
+    same_kernel, noises = res, [noise]
     if chain_pack_backend(torch.device("cuda")) == "varlen":       # tree packs run FlexAttention
         with attention_backend(model, "flex"):
             base_flex = run_packed(model, trees, pack_trajectories, weights, args.chunk_size, "cuda")
         same_kernel = compare(tree, base_flex)
         res.update(baseline_flex=compare(base_flex, base), tree_vs_baseline_flex=same_kernel)
+        noises.append(res["baseline_flex"])
     res.update(compression=pack(trees).compression, baseline_rerun=noise,
                params=sum(p.numel() for p in model.parameters()))
     print(json.dumps(res))
-    f = args.noise_factor
-    ok = all(same_kernel[k] <= f * max(noise[k], BF16_FLOOR[k]) for k in BF16_FLOOR)
-    return 0 if ok else 1
+    over = within_noise(same_kernel, noises, args.noise_factor)
+    for k in over:
+        print(f"verify: {k} {same_kernel[k]:.3g} exceeds {args.noise_factor:g} x the bf16 noise floor "
+              f"{max([BF16_FLOOR[k]] + [n[k] for n in noises]):.3g}", file=sys.stderr)
+    return 1 if over else 0
 
 
 if __name__ == "__main__":
