@@ -100,15 +100,12 @@ class _TreeConvFla(torch.autograd.Function):
 
 
 def _gather_conv(x, weight, bias, anc, activation):
-    """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` row indices into x (``len(x)`` = past a root)."""
-    T, W = x.shape[0], weight.shape[1]
-    y = None
-    for j in range(W):
-        term = x.index_select(0, anc[j].clamp(max=T - 1))
-        if j:
-            term = term * (anc[j] < T).unsqueeze(-1).to(x.dtype)
-        term = term * weight[:, W - 1 - j]
-        y = term if y is None else y + term
+    """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` row indices into x (``len(x)`` = past a root).
+
+    All W taps in one gather over x with a zero row appended, one weighted sum: a fixed handful of
+    ops whatever W (the fix-up runs in every conv layer's forward, recompute and backward)."""
+    taps = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, anc.reshape(-1))
+    y = (taps.view(*anc.shape, x.shape[1]) * weight.flip(1).t().unsqueeze(1)).sum(0)   # [W, R, D] x [W, 1, D]
     if bias is not None:
         y = y + bias
     return F.silu(y) if activation in ("silu", "swish") else y
