@@ -51,9 +51,14 @@ def run_case(inputs, per_token, tree_fn, traj_fn, ref_fn, p, seed=0, keep_fp32=(
     def go(fn, dtype, gather):
         leaves = [x.detach().to(torch.float32 if i in keep_fp32 else dtype).requires_grad_(True)
                   for i, x in enumerate(inputs)]
-        xs = [x.index_select(0, idx) if (gather and i < per_token) else x for i, x in enumerate(leaves)]
+        # Gathers between compact and trajectory tokens run in fp32 (their backward sums the up to
+        # hundreds of copies of a shared token: a bf16 index_add rounds after every add). Otherwise
+        # the traj path's input grads and the tree path's output grad, hence its weight and gate
+        # grads, carry that harness rounding rather than the op's.
+        xs = [x.float().index_select(0, idx).to(x.dtype) if (gather and i < per_token) else x
+              for i, x in enumerate(leaves)]
         o = fn(*xs)
-        o_t = o if gather else o.index_select(0, idx)
+        o_t = o if gather else o.float().index_select(0, idx).to(o.dtype)
         return o_t, leaves
 
     out = {}
