@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import math
 import os
 import statistics
 import time
@@ -171,9 +172,10 @@ def render(rows: list[dict], out_dir: str, meta: dict) -> None:
     fig, axes = plt.subplots(1, len(OPS), figsize=(4 * len(OPS), 3.6), sharey=True)
     for ax, op in zip(axes, OPS):
         sel = [r for r in rows if r["op"] == op]
-        for n in sorted({r["trajectory_tokens"] // 1000 for r in sel}):
-            pts = sorted((r["compression"], r["speedup"]) for r in sel if r["trajectory_tokens"] // 1000 == n)
-            ax.plot(*zip(*pts), "o-", label=f"{n}K tokens")
+        size = lambda r: 2 ** round(math.log2(r["trajectory_tokens"] / 1024))   # the --sizes bucket, K
+        for n in sorted({size(r) for r in sel}):
+            pts = sorted((r["compression"], r["speedup"]) for r in sel if size(r) == n)
+            ax.plot(*zip(*pts), "o-", color=f"C{int(math.log2(n)) % 10}", label=f"~{n}K tokens")
         ax.plot([1, 10.5], [1, 10.5], "k--", lw=0.8, label="ideal")
         ax.plot([1, 10.5], [0.9, 9.45], "k:", lw=0.8, label="target 0.9c")
         ax.set_title(op)
