@@ -14,7 +14,10 @@ for spec in "$@"; do
   IFS=: read -r step secs args <<< "$spec"
   [[ "$secs" =~ ^[0-9]+$ ]] || { echo "expected STEP:SECONDS[:ARGS], got $spec" >&2; exit 2; }
   mkdir -p "$OUT/$step"
-  extra=(--watchdog $((secs - 10)))
+  # The watchdog's clock starts after the imports (torch, Megatron, fla: up to ~30 s on a fresh
+  # machine), `timeout`'s at launch: with a 10 s margin `timeout` killed two steps before any stack
+  # dump (fifth session), so the margin is 45 s.
+  extra=(--watchdog $((secs > 90 ? secs - 45 : secs / 2)))
   [ "$step" = pretrain ] && extra=()        # Megatron's parser: the step relies on `timeout` alone
   read -r -a more <<< "${args:-}"
   extra+=("${more[@]}")
