@@ -57,6 +57,17 @@ def test_gated_delta_rule_fla_rounds_fused(case):
                     _inputs(p.num_tokens, 1, 2, 16, 16, seed=1))
 
 
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_gated_delta_rule_fla_trajectory_pack(l2norm):
+    """Trajectory packs (the THD baseline) take fla's own varlen ``chunk_gated_delta_rule``."""
+    trees = [RolloutTree.from_trajectories(t) for t in random_trees(5, C, vocab=3, num_trees=2)]
+    p = pack_trajectories(trees, chunk_size=C).to(DEV)
+    assert p.is_chain and len(p.trajectories) > 2
+    _check_backends(lambda *x, backend: tree_gated_delta_rule(*x, p, chunk_size=C, scale=0.3, backend=backend,
+                                                              use_qk_l2norm_in_kernel=l2norm),
+                    _inputs(p.num_tokens, 1, 2, 16, 16, seed=6))
+
+
 def test_fla_many_rounds_l2norm_and_scale():
     """Several trees per pack, >= 3 rounds (GDN with qk l2-norm in the kernel and an explicit scale;
     simple GLA)."""

@@ -56,6 +56,27 @@ def _run_fused(fn, inputs: list[torch.Tensor], pack: TreePack, chunk_size: int, 
     return owned_outputs(o[0], plan)
 
 
+FLA_GDN_CHUNK_SIZES = (16, 32, 64)     # what fla's chunk_gated_delta_rule accepts
+
+
+def _chain_gated_delta_rule(q, k, v, g, beta, pack: TreePack, chunk_size: int, scale: float | None):
+    """A pack without branches (trajectory packs: the THD baseline) is one plain varlen call of
+    fla's ``chunk_gated_delta_rule`` over its trajectories, exactly what a GDN layer on THD runs,
+    without the all-rounds gathers (identities here). Varlen metadata cached per pack (no syncs)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    def build():
+        cu = pack.root_cu_seqlens.long()
+        cu_cpu = cu.cpu()
+        return cu, cu_cpu, prepare_chunk_indices(cu, chunk_size, cu_seqlens_cpu=cu_cpu)
+
+    cu, cu_cpu, chunk_indices = pack.cached(("fla_chain_varlen", chunk_size, str(pack.device)), build)
+    o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale, cu_seqlens=cu,
+                                  cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size)
+    return o[0].to(v.dtype)
+
+
 def _check(pack: TreePack, name: str, x: torch.Tensor, ndim: int):
     if x.dim() != ndim or x.shape[0] != pack.num_tokens:
         raise ValueError(f"{name}: expected {ndim} dims with {pack.num_tokens} compact tokens first, "
@@ -83,6 +104,8 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
 
         if use_qk_l2norm_in_kernel:
             q, k = l2norm(q), l2norm(k)
+        if pack.is_chain and chunk_size in FLA_GDN_CHUNK_SIZES:
+            return _chain_gated_delta_rule(q, k, v, g, beta, pack, chunk_size, scale)
         return _run_fused(TreeGatedDeltaRuleFla, [q, k, v, g, beta], pack, chunk_size, scale)
 
     def kernel(xs, rd, init, want_final):
