@@ -8,8 +8,14 @@
 # Everything ends up in $OUT/results.tgz, fla/Triton autotuning archives included.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Provenance (the device gets a copy of the working tree without .git): the commit given by the
+# caller (HARTS_COMMIT=<hash> bash scripts/gpu_plan.sh ...) and a fingerprint of the sources,
+# reproducible on any checkout with `bash scripts/gpu_plan.sh --fingerprint`.
+fingerprint() { find megatron_harts scripts -name '*.py' -o -name '*.sh' | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12; }
+[ "${1:-}" = --fingerprint ] && { fingerprint; exit 0; }
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+echo "[gpu_plan] commit ${HARTS_COMMIT:-unknown}, sources $(fingerprint)" | tee -a "$OUT/plan.log"
 for spec in "$@"; do
   IFS=: read -r step secs args <<< "$spec"
   [[ "$secs" =~ ^[0-9]+$ ]] || { echo "expected STEP:SECONDS[:ARGS], got $spec" >&2; exit 2; }
