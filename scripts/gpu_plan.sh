@@ -11,7 +11,9 @@ cd "$(dirname "$0")/.."
 # Provenance (the device gets a copy of the working tree without .git): the commit given by the
 # caller (HARTS_COMMIT=<hash> bash scripts/gpu_plan.sh ...) and a fingerprint of the sources,
 # reproducible on any checkout with `bash scripts/gpu_plan.sh --fingerprint`.
-fingerprint() { find megatron_harts scripts -name '*.py' -o -name '*.sh' | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12; }
+# (a fingerprint of a tree with uncommitted changes matches no commit)
+fingerprint() { find megatron_harts scripts tests configs -type f \( -name '*.py' -o -name '*.sh' -o -name '*.json' \
+  -o -name '*.tgz' \) | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12; }
 [ "${1:-}" = --fingerprint ] && { fingerprint; exit 0; }
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -19,6 +21,7 @@ echo "[gpu_plan] commit ${HARTS_COMMIT:-unknown}, sources $(fingerprint)" | tee 
 for spec in "$@"; do
   IFS=: read -r step secs args <<< "$spec"
   [[ "$secs" =~ ^[0-9]+$ ]] || { echo "expected STEP:SECONDS[:ARGS], got $spec" >&2; exit 2; }
+  secs=$((10#$secs))                        # "090" is not octal
   mkdir -p "$OUT/$step"
   # The watchdog's clock starts after the imports (torch, Megatron, fla: up to ~30 s on a fresh
   # machine), `timeout`'s at launch: with a 10 s margin `timeout` killed two steps before any stack

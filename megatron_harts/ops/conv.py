@@ -42,8 +42,7 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if pack.is_chain:       # trajectory packs (the THD baseline): fla's varlen conv, nothing to patch
         from fla.modules.causal_conv1d.ops import causal_conv1d
 
-        cu, cu_cpu = pack.cached(("conv_segments", str(pack.device)),
-                                 lambda: (pack.root_cu_seqlens.long(), pack.root_cu_seqlens.long().cpu()))
+        cu, cu_cpu = pack.root_segments
         return causal_conv1d(x.unsqueeze(0), weight, bias, activation=activation, cu_seqlens=cu,
                              cu_seqlens_cpu=cu_cpu)[0].squeeze(0)
     rows, sources, local = conv_fix_plan(pack, W)

@@ -66,12 +66,9 @@ def _chain_gated_delta_rule(q, k, v, g, beta, pack: TreePack, chunk_size: int, s
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.utils.index import prepare_chunk_indices
 
-    def build():
-        cu = pack.root_cu_seqlens.long()
-        cu_cpu = cu.cpu()
-        return cu, cu_cpu, prepare_chunk_indices(cu, chunk_size, cu_seqlens_cpu=cu_cpu)
-
-    cu, cu_cpu, chunk_indices = pack.cached(("fla_chain_varlen", chunk_size, str(pack.device)), build)
+    cu, cu_cpu = pack.root_segments
+    chunk_indices = pack.cached(("fla_chunk_indices", chunk_size, str(pack.device)),
+                                lambda: prepare_chunk_indices(cu, chunk_size, cu_seqlens_cpu=cu_cpu))
     o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale, cu_seqlens=cu,
                                   cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size)
     return o[0].to(v.dtype)

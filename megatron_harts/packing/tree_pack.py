@@ -74,6 +74,15 @@ class TreePack:
         return self.cached(("root_cu_seqlens", str(self.device)), build)
 
     @property
+    def root_segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``root_cu_seqlens`` as int64 on the pack's device and on the host (fla's varlen
+        ``cu_seqlens`` / ``cu_seqlens_cpu``). Cached: one device-to-host copy per pack."""
+        def build():
+            cu = self.root_cu_seqlens.long()
+            return cu, cu.cpu()
+        return self.cached(("root_segments", str(self.device)), build)
+
+    @property
     def is_chain(self) -> bool:
         """Every root subtree is a single path (no branches): the layout of ``pack_trajectories``,
         where tree ops reduce to their varlen (THD) kernels. Cached."""
