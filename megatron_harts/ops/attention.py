@@ -84,8 +84,8 @@ def block_mask(pack: TreePack, block_size: int = 128):
 def _segments(pack: TreePack) -> tuple[torch.Tensor, int]:
     """int32 ``cu_seqlens`` ``[R + 1]`` of the root segments and the longest one (host int)."""
     def build():
-        cu = pack.root_cu_seqlens
-        return cu, int((cu[1:] - cu[:-1]).max())
+        cu_cpu = pack.root_segments[1]                  # host copy: no second device read
+        return pack.root_cu_seqlens, int((cu_cpu[1:] - cu_cpu[:-1]).max())
     return pack.cached(("attention_segments", str(pack.device)), build)
 
 
