@@ -229,11 +229,17 @@ def forward_logprobs(model, mbs: list[dict]) -> dict:
     return out
 
 
+def log(msg: str) -> None:
+    """One progress line on stderr (a step stopped by its watchdog still says how far it got)."""
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def warmup(model, sides: list[list[dict]], norm: float) -> None:
     """fwd+bwd once per distinct microbatch size (compiles fla / FlexAttention for that shape) and a
-    forward of every other microbatch (builds its cached plans and block masks)."""
+    forward of every other microbatch (builds its cached plans and block masks). Logs the seconds
+    of each first fwd+bwd (compilation shows up there)."""
     seen = set()
-    for mbs in sides:
+    for side, mbs in enumerate(sides):
         for mb in mbs:
             T = mb["pack"].num_tokens
             if T in seen:
@@ -241,7 +247,11 @@ def warmup(model, sides: list[list[dict]], norm: float) -> None:
                     run_mb(model, mb, norm)
             else:
                 seen.add(T)
+                t0 = time.perf_counter()
                 run_mb(model, mb, norm)[0].backward()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                log(f"warm-up side {side}: {T} tokens fwd+bwd {time.perf_counter() - t0:.1f} s")
     model.zero_grad(set_to_none=True)
 
 
@@ -295,6 +305,8 @@ def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, arg
     sides = {s: microbatches(trajs, s, args, cm, device) for s in ("baseline", "harts")}
     host_s = time.perf_counter() - t0
     norm = float(sum(max(int(np.sum(t.loss_mask)), 0) for t in trajs)) or 1.0
+    log(f"{model_name} {wl}: packed in {host_s:.1f} s, microbatches " +
+        ", ".join(f"{s} {len(m)}" for s, m in sides.items()))
     warmup(model, list(sides.values()), norm)
     row = dict(model=model_name, workload=wl, recompute=recompute, trajectories=len(trajs),
                trajectory_tokens=sum(len(t) for t in trajs), host_pack_s=host_s)
@@ -308,6 +320,7 @@ def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, arg
             b.append(bm)
             lps.setdefault(side, lp)
         fwd, bwd = statistics.median(f), statistics.median(b)
+        log(f"{model_name} {wl} {side}: fwd {fwd:.0f} ms, bwd {bwd:.0f} ms (median of {len(f)})")
         row[side] = dict(microbatches=len(mbs), compact_tokens=sum(m["compact"] for m in mbs),
                          pad_tokens=sum(m["pad"] for m in mbs), fwd_ms=fwd, bwd_ms=bwd, grad_ms=fwd + bwd,
                          tokens_per_s=row["trajectory_tokens"] / ((fwd + bwd) / 1e3), peak_gib=peak_gib(device),
@@ -495,7 +508,9 @@ def main(argv: list[str] | None = None) -> int:
             if key != (m, rc):
                 model = None
                 reset_peak(device)
+                t0 = time.perf_counter()
                 model, key = build_model(m, rc, args, max_len), (m, rc)
+                log(f"built {m} (recompute {'on' if rc else 'off'}) in {time.perf_counter() - t0:.1f} s")
                 meta.setdefault("params", {})[m] = sum(p.numel() for p in model.parameters())
             meta["capacity"] = cap
             t0 = time.perf_counter()
