@@ -234,12 +234,12 @@ def log(msg: str) -> None:
     print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def warmup(model, sides: list[list[dict]], norm: float) -> None:
+def warmup(model, sides: dict[str, list[dict]], norm: float) -> None:
     """fwd+bwd once per distinct microbatch size (compiles fla / FlexAttention for that shape) and a
     forward of every other microbatch (builds its cached plans and block masks). Logs the seconds
     of each first fwd+bwd (compilation shows up there)."""
     seen = set()
-    for side, mbs in enumerate(sides):
+    for side, mbs in sides.items():
         for mb in mbs:
             T = mb["pack"].num_tokens
             if T in seen:
@@ -251,7 +251,7 @@ def warmup(model, sides: list[list[dict]], norm: float) -> None:
                 run_mb(model, mb, norm)[0].backward()
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-                log(f"warm-up side {side}: {T} tokens fwd+bwd {time.perf_counter() - t0:.1f} s")
+                log(f"warm-up {side}: {T} tokens fwd+bwd {time.perf_counter() - t0:.1f} s")
     model.zero_grad(set_to_none=True)
 
 
@@ -307,7 +307,7 @@ def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, arg
     norm = float(sum(max(int(np.sum(t.loss_mask)), 0) for t in trajs)) or 1.0
     log(f"{model_name} {wl}: packed in {host_s:.1f} s, microbatches " +
         ", ".join(f"{s} {len(m)}" for s, m in sides.items()))
-    warmup(model, list(sides.values()), norm)
+    warmup(model, sides, norm)
     row = dict(model=model_name, workload=wl, recompute=recompute, trajectories=len(trajs),
                trajectory_tokens=sum(len(t) for t in trajs), host_pack_s=host_s)
     lps = {}
