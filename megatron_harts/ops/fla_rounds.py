@@ -4,7 +4,9 @@ fla's chunked GDN / simple GLA split into chunk-local kernels (gate cumsum, WY r
 output, most of the backward) and two inter-chunk recurrences (forward states, backward state
 gradients). Only the recurrences depend on a sequence's initial state, so a tree pack needs one
 call per round for them alone; every chunk-local kernel runs once over all rounds' sequences
-(one varlen layout, ``ChunkPlan.gather_all``). Per layer: R recurrence launches forward and 2R
+(one varlen layout, ``ChunkPlan.gather_all``). Each Function takes and returns compact tensors
+(``[T, ...]``) and moves them to and from that layout inside its own forward / backward, so a
+layer adds one autograd node, not one per input and output. Per layer: R recurrence launches forward and 2R
 backward (the backward recomputes the states, as fla does) plus a fixed number of fused ones,
 instead of R full fla calls each way.
 
@@ -27,6 +29,7 @@ import torch
 import triton
 
 from ..packing import TreePack
+from .gather import compact_grad_to_rounds, from_rounds, rounds_grad_to_compact, to_rounds
 from .plan import ChunkPlan, chunk_plan
 
 
@@ -59,8 +62,10 @@ class VarlenChunks:
 @dataclass
 class FusedRounds:
     """``all``: the rounds' sequences as one varlen batch; ``rounds[r]``: round r alone (its
-    own token offsets, zero-based); ``init_from[r]``: rows of round r-1's final states."""
+    own token offsets, zero-based); ``init_from[r]``: rows of round r-1's final states; ``plan``:
+    the chunk plan they come from (its layout indices)."""
 
+    plan: ChunkPlan
     all: VarlenChunks
     rounds: list[VarlenChunks]
     init_from: list[torch.Tensor | None]
@@ -80,7 +85,7 @@ def fused_rounds(pack: TreePack, chunk_size: int) -> FusedRounds:
         for c, s in zip(cus, starts):
             rounds.append(VarlenChunks.build(c, chunk_size, dev, int(s), chunk_start))
             chunk_start = rounds[-1].chunks.stop
-        return FusedRounds(VarlenChunks.build(cu_all, chunk_size, dev), rounds,
+        return FusedRounds(plan, VarlenChunks.build(cu_all, chunk_size, dev), rounds,
                            [rd.init_from for rd in plan.rounds], chunk_size)
 
     return pack.cached(("fla_fused_rounds", chunk_size, str(pack.device)), build)
@@ -139,20 +144,36 @@ def _round_state_grads(q, k, w, do, dv, gc, inits, fr: FusedRounds, scale: float
     return dh, dv2
 
 
+def _to_rounds(fr: FusedRounds, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Compact ``[T, ...]`` -> all-rounds ``[1, N, ...]``, contiguous."""
+    return [to_rounds(x, fr.plan).unsqueeze(0) for x in xs]
+
+
+def _to_compact(fr: FusedRounds, grads, dtypes) -> list[torch.Tensor]:
+    """All-rounds gradients ``[1, N, ...]`` -> compact ``[T, ...]``, each in its dtype."""
+    return [rounds_grad_to_compact(g[0].to(dt), fr.plan) for g, dt in zip(grads, dtypes)]
+
+
 class TreeGatedDeltaRuleFla(torch.autograd.Function):
-    """q, k ``[1, N, H, K]``, v ``[1, N, HV, V]``, g, beta ``[1, N, HV]`` in the all-rounds layout
-    (``ChunkPlan.gather_all`` order) -> o ``[1, N, HV, V]``."""
+    """Compact q, k ``[T, H, K]``, v ``[T, HV, V]``, g, beta ``[T, HV]`` -> o ``[T, HV, V]``; inside,
+    the all-rounds layout of ``fr`` (``ChunkPlan.gather_all`` order). ``l2norm``: q and k are
+    L2-normalised in the kernel (fla's ``use_qk_l2norm_in_kernel``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, fr: FusedRounds, scale: float):
+    def forward(ctx, q, k, v, g, beta, fr: FusedRounds, scale: float, l2norm: bool):
+        from fla.modules.norm.l2norm import l2norm_fwd
         from fla.ops.common.chunk_o import chunk_fwd_o
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
         from fla.ops.utils import chunk_local_cumsum
         from fla.ops.utils.constant import RCP_LN2
 
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        dtypes = [x.dtype for x in (q, k, v, g, beta)]
+        q, k, v, g, beta = _to_rounds(fr, q, k, v, g, beta)
         a, C = fr.all, fr.chunk_size
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            q_rstd = k_rstd = None
+            if l2norm:
+                (q, q_rstd), (k, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
             gc = chunk_local_cumsum(g, chunk_size=C, scale=RCP_LN2, cu_seqlens=a.cu_seqlens,
                                     chunk_indices=a.chunk_indices)
             w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=a.cu_seqlens,
@@ -160,20 +181,21 @@ class TreeGatedDeltaRuleFla(torch.autograd.Function):
             h, v_new, _ = _round_states(k, w, u, gc, fr, keep_inits=False)
             o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=a.cu_seqlens,
                             chunk_indices=a.chunk_indices, chunk_size=C)
-        ctx.save_for_backward(q, k, v, gc, beta, A)
-        ctx.fr, ctx.scale, ctx.g_dtype = fr, scale, g.dtype
-        return o.to(v.dtype)
+        ctx.save_for_backward(q, k, v, gc, beta, A, q_rstd, k_rstd)
+        ctx.fr, ctx.scale, ctx.dtypes = fr, scale, dtypes
+        return from_rounds(o[0].to(v.dtype), fr.plan)
 
     @staticmethod
     def backward(ctx, do):
+        from fla.modules.norm.l2norm import l2norm_bwd
         from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
         from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
         from fla.ops.utils import chunk_local_cumsum
 
-        q, k, v, gc, beta, A = ctx.saved_tensors
+        q, k, v, gc, beta, A, q_rstd, k_rstd = ctx.saved_tensors
         fr, scale = ctx.fr, ctx.scale
         a, C = fr.all, fr.chunk_size
-        do = do.contiguous()
+        do = compact_grad_to_rounds(do, fr.plan).unsqueeze(0)
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=gc, cu_seqlens=a.cu_seqlens,
                                      chunk_indices=a.chunk_indices)
@@ -189,7 +211,10 @@ class TreeGatedDeltaRuleFla(torch.autograd.Function):
             dg.add_(dg2)
             dg = chunk_local_cumsum(dg, chunk_size=C, reverse=True, cu_seqlens=a.cu_seqlens,
                                     chunk_indices=a.chunk_indices)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), db.to(beta), None, None
+            if q_rstd is not None:
+                dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
+        grads = _to_compact(fr, (dq, dk, dv, dg, db), ctx.dtypes)
+        return (*grads, None, None, None)
 
 
 def _simple_gla_states(k, v, gc, fr: FusedRounds, fp32: bool, keep_inits: bool):
@@ -235,8 +260,8 @@ def _simple_gla_state_grads(q, k, do, gc, inits, fr: FusedRounds, scale: float):
 
 
 class TreeSimpleGLAFla(torch.autograd.Function):
-    """q, k ``[1, N, H, K]``, v ``[1, N, H, V]``, g ``[1, N, H]`` in the all-rounds layout -> o
-    ``[1, N, H, V]`` (fla ``chunk_simple_gla`` with the rounds' state handoffs)."""
+    """Compact q, k ``[T, H, K]``, v ``[T, H, V]``, g ``[T, H]`` -> o ``[T, H, V]`` (fla
+    ``chunk_simple_gla`` with the rounds' state handoffs, in the all-rounds layout inside)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, fr: FusedRounds, scale: float):
@@ -244,7 +269,8 @@ class TreeSimpleGLAFla(torch.autograd.Function):
         from fla.ops.utils import chunk_local_cumsum
         from fla.ops.utils.constant import RCP_LN2
 
-        q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+        dtypes = [x.dtype for x in (q, k, v, g)]
+        q, k, v, g = _to_rounds(fr, q, k, v, g)
         a, C = fr.all, fr.chunk_size
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             gc = chunk_local_cumsum(g, chunk_size=C, scale=RCP_LN2, cu_seqlens=a.cu_seqlens,
@@ -253,8 +279,8 @@ class TreeSimpleGLAFla(torch.autograd.Function):
             o = chunk_fwd_o(q=q, k=k, v=v, g=gc, h=h, scale=scale, cu_seqlens=a.cu_seqlens, chunk_size=C,
                             chunk_indices=a.chunk_indices)
         ctx.save_for_backward(q, k, v, gc)
-        ctx.fr, ctx.scale, ctx.g_dtype = fr, scale, g.dtype
-        return o.to(v.dtype)
+        ctx.fr, ctx.scale, ctx.dtypes = fr, scale, dtypes
+        return from_rounds(o[0].to(v.dtype), fr.plan)
 
     @staticmethod
     def backward(ctx, do):
@@ -264,7 +290,7 @@ class TreeSimpleGLAFla(torch.autograd.Function):
         q, k, v, gc = ctx.saved_tensors
         fr, scale = ctx.fr, ctx.scale
         a, C = fr.all, fr.chunk_size
-        do = do.contiguous()
+        do = compact_grad_to_rounds(do, fr.plan).unsqueeze(0)
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             h, inits = _simple_gla_states(k, v, gc, fr, fp32=True, keep_inits=True)
             dh = _simple_gla_state_grads(q, k, do, gc, inits, fr, scale)
@@ -274,4 +300,5 @@ class TreeSimpleGLAFla(torch.autograd.Function):
                               chunk_indices=a.chunk_indices)
             dg = chunk_local_cumsum(dg, chunk_size=C, reverse=True, cu_seqlens=a.cu_seqlens,
                                     chunk_indices=a.chunk_indices)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(ctx.g_dtype), None, None
+        grads = _to_compact(fr, (dq, dk, dv, dg), ctx.dtypes)
+        return (*grads, None, None)

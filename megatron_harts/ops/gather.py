@@ -7,6 +7,9 @@ distinct token (a token can be replayed once per branch), instead of an atomic `
 over all N rows in the input dtype.
 ``owned_outputs``: o ``[N, ...]`` -> ``o[plan.out_index]`` ``[T, ...]``; backward is one copy
 (injective index, replay positions get zero gradient).
+The plain functions (``to_rounds``, ``rounds_grad_to_compact``, ``from_rounds``,
+``compact_grad_to_rounds``) are the same steps without autograd nodes, for custom Functions that
+do the layout change inside their own forward / backward.
 """
 from __future__ import annotations
 
@@ -15,42 +18,60 @@ import torch
 from .plan import ChunkPlan
 
 
+def to_rounds(x: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """``x[plan.gather_all]``: compact ``[T, ...]`` -> all-rounds ``[N, ...]`` (no autograd node)."""
+    return x.index_select(0, plan.gather_all)
+
+
+def rounds_grad_to_compact(gy: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """Backward of :func:`to_rounds`: ``[N, ...]`` -> ``[T, ...]``, owned rows gathered, replayed
+    rows' gradients summed in fp32 per distinct token."""
+    gx = gy.index_select(0, plan.out_index)
+    if plan.replay_pos.numel():
+        acc = gx.index_select(0, plan.replay_rows).float()
+        acc.index_add_(0, plan.replay_slot, gy.index_select(0, plan.replay_pos).float())
+        gx.index_copy_(0, plan.replay_rows, acc.to(gx.dtype))
+    return gx
+
+
+def from_rounds(o: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """``o[plan.out_index]``: all-rounds ``[N, ...]`` -> compact ``[T, ...]`` (owned outputs)."""
+    return o.index_select(0, plan.out_index)
+
+
+def compact_grad_to_rounds(g: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """Backward of :func:`from_rounds`: ``[T, ...]`` -> ``[N, ...]`` with zeros at replay positions."""
+    out = g.new_empty((plan.gather_all.shape[0], *g.shape[1:])).index_copy_(0, plan.out_index, g)
+    return out.index_fill_(0, plan.replay_pos, 0) if plan.replay_pos.numel() else out
+
+
 class _GatherRounds(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gather_all, out_index, replay_pos, replay_rows, replay_slot):
-        ctx.save_for_backward(out_index, replay_pos, replay_rows, replay_slot)
-        return x.index_select(0, gather_all)
+    def forward(ctx, x, plan):
+        ctx.plan = plan
+        return to_rounds(x, plan)
 
     @staticmethod
     def backward(ctx, gy):
-        out_index, replay_pos, replay_rows, replay_slot = ctx.saved_tensors
-        gx = gy.index_select(0, out_index)
-        if replay_pos.numel():
-            acc = gx.index_select(0, replay_rows).float()
-            acc.index_add_(0, replay_slot, gy.index_select(0, replay_pos).float())
-            gx.index_copy_(0, replay_rows, acc.to(gx.dtype))
-        return gx, None, None, None, None, None
+        return rounds_grad_to_compact(gy, ctx.plan), None
 
 
 class _OwnedOutputs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, o, out_index):
-        ctx.save_for_backward(out_index)
-        ctx.rows = o.shape[0]
-        return o.index_select(0, out_index)
+    def forward(ctx, o, plan):
+        ctx.plan = plan
+        return from_rounds(o, plan)
 
     @staticmethod
     def backward(ctx, g):
-        (out_index,) = ctx.saved_tensors
-        return g.new_zeros((ctx.rows, *g.shape[1:])).index_copy_(0, out_index, g), None
+        return compact_grad_to_rounds(g, ctx.plan), None
 
 
 def gather_rounds(x: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     """``x[plan.gather_all]`` with the backward described in the module docstring."""
-    return _GatherRounds.apply(x, plan.gather_all, plan.out_index, plan.replay_pos, plan.replay_rows,
-                               plan.replay_slot)
+    return _GatherRounds.apply(x, plan)
 
 
 def owned_outputs(o: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     """``o[plan.out_index]`` (compact order) with a copy as backward."""
-    return _OwnedOutputs.apply(o, plan.out_index)
+    return _OwnedOutputs.apply(o, plan)

@@ -45,21 +45,15 @@ def run_rounds(plan: ChunkPlan, inputs: list[torch.Tensor],
     return owned_outputs(torch.cat(outs), plan)
 
 
-def _run_fused(fn, inputs: list[torch.Tensor], pack: TreePack, chunk_size: int, scale: float | None):
-    """An ``ops.fla_rounds`` Function on ``inputs`` (compact ``[T, ...]``, q first) gathered into
-    the all-rounds layout; returns the owned outputs in compact order."""
-    from .fla_rounds import fused_rounds
-
-    plan = chunk_plan(pack, chunk_size)
-    xs = [gather_rounds(x, plan).unsqueeze(0) for x in inputs]
-    o = fn.apply(*xs, fused_rounds(pack, chunk_size), inputs[0].shape[-1] ** -0.5 if scale is None else scale)
-    return owned_outputs(o[0], plan)
+def _scale(scale: float | None, q: torch.Tensor) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
 
 
 FLA_GDN_CHUNK_SIZES = (16, 32, 64)     # what fla's chunk_gated_delta_rule accepts
 
 
-def _chain_gated_delta_rule(q, k, v, g, beta, pack: TreePack, chunk_size: int, scale: float | None):
+def _chain_gated_delta_rule(q, k, v, g, beta, pack: TreePack, chunk_size: int, scale: float | None,
+                            use_qk_l2norm_in_kernel: bool):
     """A pack without branches (trajectory packs: the THD baseline) is one plain varlen call of
     fla's ``chunk_gated_delta_rule`` over its trajectories, exactly what a GDN layer on THD runs,
     without the all-rounds gathers (identities here). Varlen metadata cached per pack (no syncs)."""
@@ -70,7 +64,8 @@ def _chain_gated_delta_rule(q, k, v, g, beta, pack: TreePack, chunk_size: int, s
     chunk_indices = pack.cached(("fla_chunk_indices", chunk_size, str(pack.device)),
                                 lambda: prepare_chunk_indices(cu, chunk_size, cu_seqlens_cpu=cu_cpu))
     o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale, cu_seqlens=cu,
-                                  cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size)
+                                  cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return o[0].to(v.dtype)
 
 
@@ -95,15 +90,12 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
     if use_qk_l2norm_in_kernel and backend == "torch":
         q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
     if backend == "fla":
-        from fla.modules.norm.l2norm import l2norm
+        from .fla_rounds import TreeGatedDeltaRuleFla, fused_rounds
 
-        from .fla_rounds import TreeGatedDeltaRuleFla
-
-        if use_qk_l2norm_in_kernel:
-            q, k = l2norm(q), l2norm(k)
         if pack.is_chain and chunk_size in FLA_GDN_CHUNK_SIZES:
-            return _chain_gated_delta_rule(q, k, v, g, beta, pack, chunk_size, scale)
-        return _run_fused(TreeGatedDeltaRuleFla, [q, k, v, g, beta], pack, chunk_size, scale)
+            return _chain_gated_delta_rule(q, k, v, g, beta, pack, chunk_size, scale, use_qk_l2norm_in_kernel)
+        return TreeGatedDeltaRuleFla.apply(q, k, v, g, beta, fused_rounds(pack, chunk_size), _scale(scale, q),
+                                           use_qk_l2norm_in_kernel)
 
     def kernel(xs, rd, init, want_final):
         return chunk_gated_delta_rule_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
@@ -122,9 +114,9 @@ def tree_simple_gla(q, k, v, g, pack: TreePack, *, chunk_size: int = 64, scale: 
         _check(pack, name, x, nd)
     backend = resolve_backend(backend, q.device)
     if backend == "fla":
-        from .fla_rounds import TreeSimpleGLAFla
+        from .fla_rounds import TreeSimpleGLAFla, fused_rounds
 
-        return _run_fused(TreeSimpleGLAFla, [q, k, v, g], pack, chunk_size, scale)
+        return TreeSimpleGLAFla.apply(q, k, v, g, fused_rounds(pack, chunk_size), _scale(scale, q))
 
     def kernel(xs, rd, init, want_final):
         return chunk_simple_gla_torch(*xs, cu_seqlens_cpu=rd.cu_seqlens_cpu, chunk_size=chunk_size,
