@@ -30,15 +30,10 @@ from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from ..ops import tree_attention, tree_causal_conv1d, tree_gated_delta_rule
+from ..ops.chunk_torch import l2norm
 from ..ops.attention import BACKENDS as ATTENTION_BACKENDS
 from .cpu_shim import LocalHybridStack
 from .packed_seq import TreePackedSeqParams
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's ``l2norm`` in torch: ``x / sqrt(sum(x^2, -1) + eps)``, computed in fp32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class TreeHybridStack(LocalHybridStack):
@@ -69,12 +64,13 @@ class TreeHybridStack(LocalHybridStack):
 
 
 class TreeGatedDeltaNet(GatedDeltaNet):
-    """``GatedDeltaNet`` with a tree path and a torch l2norm (so it also runs on CPU).
+    """``GatedDeltaNet`` with a tree path.
 
     Tree path (``[T, 1, h] -> ([T, 1, h], bias)``): ``in_proj`` -> split ``[q|k|v, z, beta,
     alpha]`` -> ``tree_causal_conv1d`` (SiLU) on the q|k|v channels ->
-    ``_prepare_input_for_gated_delta_rule`` (head split, l2norm, GQA repeat) and parent's
-    ``_compute_g_and_beta`` -> ``tree_gated_delta_rule`` (chunk size ``pack.chunk_size``) ->
+    ``_prepare_input_for_gated_delta_rule`` (head split, GQA repeat) and parent's
+    ``_compute_g_and_beta`` -> ``tree_gated_delta_rule`` (chunk size ``pack.chunk_size``, q/k
+    l2norm in the op: fla's kernel on GPU, the same formula in torch on CPU) ->
     parent's gated norm -> ``out_proj``.
     """
 
@@ -97,19 +93,23 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         gate = gate.reshape(1, T, -1, self.value_head_dim)
         qkv = tree_causal_conv1d(qkv[0], self.conv1d.weight.squeeze(1), self.conv1d.bias if self.conv_bias else None,
                                  pack, activation=self.activation)[None]   # [1, T, 2H*Dk + HV*Dv]
-        q, k, v, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(qkv, gate, 1, T, beta, alpha)
+        q, k, v, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(qkv, gate, 1, T, beta, alpha,
+                                                                                     qk_l2norm=False)
         g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)  # [1, T, HV] (g fp32)
-        o = tree_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], pack, chunk_size=pack.chunk_size)  # [T, HV, Dv]
+        o = tree_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], pack, chunk_size=pack.chunk_size,
+                                   use_qk_l2norm_in_kernel=self.use_qk_l2norm)  # [T, HV, Dv]
         norm_out = self._gated_norm_and_a2a(o[None], gate, None, 1, T, packed_seq_params)  # [T, 1, HV*Dv]
         return self.out_proj(norm_out)
 
-    def _prepare_input_for_gated_delta_rule(self, qkv, gate, batch, seq_len, *gate_feats):
-        """Parent's split/reshape/l2norm/repeat with the torch :func:`l2norm`: qkv ``[b, s, C]``
-        -> q, k ``[b, s, HV, Dk]``, v ``[b, s, HV, Dv]``, gate, ``*gate_feats``."""
+    def _prepare_input_for_gated_delta_rule(self, qkv, gate, batch, seq_len, *gate_feats, qk_l2norm=None):
+        """Parent's split/reshape/l2norm/repeat with the torch :func:`l2norm` (so the parent's
+        path also runs on CPU); ``qk_l2norm=False`` leaves q/k unnormalised (the tree path lets
+        the op do it). qkv ``[b, s, C]`` -> q, k ``[b, s, HV, Dk]``, v ``[b, s, HV, Dv]``, gate,
+        ``*gate_feats``."""
         query_key, value = torch.split(qkv, [2 * self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
         query_key = query_key.reshape(batch, seq_len, -1, self.key_head_dim)
         value = value.reshape(batch, seq_len, -1, self.value_head_dim)
-        if self.use_qk_l2norm:
+        if self.use_qk_l2norm if qk_l2norm is None else qk_l2norm:
             query_key = l2norm(query_key)
         query, key = query_key.chunk(2, dim=2)
         repeat = self.num_value_heads // self.num_key_heads

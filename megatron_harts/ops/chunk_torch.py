@@ -10,6 +10,13 @@ from __future__ import annotations
 import torch
 
 
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's ``l2norm`` in torch: ``x / sqrt(sum(x^2, -1) + eps)`` over the last dim, in fp32,
+    returned in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """Accumulation dtype: fp32, or fp64 for fp64 inputs."""
     return x.to(torch.promote_types(x.dtype, torch.float32))

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..packing import TreePack
-from .chunk_torch import chunk_gated_delta_rule_torch, chunk_simple_gla_torch
+from .chunk_torch import chunk_gated_delta_rule_torch, chunk_simple_gla_torch, l2norm
 from .gather import gather_rounds, owned_outputs
 from .plan import ChunkPlan, ChunkRound, chunk_plan
 
@@ -88,7 +88,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
         raise ValueError(f"v has {v.shape[1]} heads, not a multiple of q's {q.shape[1]}")
     backend = resolve_backend(backend, q.device)
     if use_qk_l2norm_in_kernel and backend == "torch":
-        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+        q, k = l2norm(q), l2norm(k)
     if backend == "fla":
         from .fla_rounds import TreeGatedDeltaRuleFla, fused_rounds
 
