@@ -86,16 +86,18 @@ class _TreeConvFla(torch.autograd.Function):
                                                  weight=weight, bias=bias, residual=None, initial_state=None,
                                                  activation=ctx.activation)
         dx = dx.squeeze(0)
-        with torch.enable_grad():
-            leaves = [t.detach().float().requires_grad_() for t in (x.index_select(0, sources), weight)]
-            if bias is not None:
-                leaves.append(bias.detach().float().requires_grad_())
-            fix = _gather_conv(leaves[0], leaves[1], leaves[2] if bias is not None else None, local, ctx.activation)
-            grads = torch.autograd.grad(fix, leaves, dy.index_select(0, rows).float())
-        dx.index_add_(0, sources, grads[0].to(dx.dtype))
-        dw = (dw.float() + grads[1]).to(dw.dtype)
-        db = (db.float() + grads[2]).to(db.dtype) if bias is not None else None
+        dsrc, dwf, dbf = _gather_conv_bwd(x.index_select(0, sources).float(), weight.float(),
+                                          None if bias is None else bias.float(), local, ctx.activation,
+                                          dy.index_select(0, rows).float())
+        dx.index_add_(0, sources, dsrc.to(dx.dtype))
+        dw = (dw.float() + dwf).to(dw.dtype)
+        db = (db.float() + dbf).to(db.dtype) if bias is not None else None
         return dx, dw, db, None, None, None, None
+
+
+def _taps(x, anc):
+    """``[W, R, D]``: rows ``anc`` of x with a zero row appended (index ``len(x)`` = past a root)."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, anc.reshape(-1)).view(*anc.shape, x.shape[1])
 
 
 def _gather_conv(x, weight, bias, anc, activation):
@@ -103,8 +105,25 @@ def _gather_conv(x, weight, bias, anc, activation):
 
     All W taps in one gather over x with a zero row appended, one weighted sum: a fixed handful of
     ops whatever W (the fix-up runs in every conv layer's forward, recompute and backward)."""
-    taps = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, anc.reshape(-1))
-    y = (taps.view(*anc.shape, x.shape[1]) * weight.flip(1).t().unsqueeze(1)).sum(0)   # [W, R, D] x [W, 1, D]
+    y = (_taps(x, anc) * weight.flip(1).t().unsqueeze(1)).sum(0)   # [W, R, D] x [W, 1, D]
     if bias is not None:
         y = y + bias
     return F.silu(y) if activation in ("silu", "swish") else y
+
+
+def _gather_conv_bwd(x, weight, bias, anc, activation, dy):
+    """Gradients of :func:`_gather_conv` for output gradient dy ``[R, D]``: (dx ``[len(x), D]``,
+    dweight ``[D, W]``, dbias ``[D]`` or None), by hand (no autograd graph: it runs in every conv
+    layer's backward)."""
+    taps = _taps(x, anc)
+    wt = weight.flip(1).t().contiguous().unsqueeze(1)             # [W, 1, D]
+    if activation in ("silu", "swish"):
+        pre = (taps * wt).sum(0)
+        if bias is not None:
+            pre = pre + bias
+        sig = torch.sigmoid(pre)
+        dy = dy * sig * (1 + pre * (1 - sig))
+    dtaps = (dy.unsqueeze(0) * wt).view(-1, x.shape[1])           # [W * R, D]
+    dx = x.new_zeros(x.shape[0] + 1, x.shape[1]).index_add_(0, anc.reshape(-1), dtaps)[:-1]
+    dweight = (taps * dy.unsqueeze(0)).sum(1).t().flip(1)         # [W, D] -> [D, W]
+    return dx, dweight, None if bias is None else dy.sum(0)
