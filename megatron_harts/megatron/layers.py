@@ -94,27 +94,29 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         qkv = tree_causal_conv1d(qkv[0], self.conv1d.weight.squeeze(1), self.conv1d.bias if self.conv_bias else None,
                                  pack, activation=self.activation)[None]   # [1, T, 2H*Dk + HV*Dv]
         q, k, v, gate, beta, alpha = self._prepare_input_for_gated_delta_rule(qkv, gate, 1, T, beta, alpha,
-                                                                                     qk_l2norm=False)
+                                                                                     tree=True)
         g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)  # [1, T, HV] (g fp32)
         o = tree_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], pack, chunk_size=pack.chunk_size,
                                    use_qk_l2norm_in_kernel=self.use_qk_l2norm)  # [T, HV, Dv]
         norm_out = self._gated_norm_and_a2a(o[None], gate, None, 1, T, packed_seq_params)  # [T, 1, HV*Dv]
         return self.out_proj(norm_out)
 
-    def _prepare_input_for_gated_delta_rule(self, qkv, gate, batch, seq_len, *gate_feats, qk_l2norm=None):
+    def _prepare_input_for_gated_delta_rule(self, qkv, gate, batch, seq_len, *gate_feats, tree=False):
         """Parent's split/reshape/l2norm/repeat with the torch :func:`l2norm` (so the parent's
-        path also runs on CPU); ``qk_l2norm=False`` leaves q/k unnormalised (the tree path lets
-        the op do it). qkv ``[b, s, C]`` -> q, k ``[b, s, HV, Dk]``, v ``[b, s, HV, Dv]``, gate,
-        ``*gate_feats``."""
+        path also runs on CPU). ``tree``: no l2norm (the tree op applies it in its kernel) and
+        no contiguous copies (the op gathers its inputs anyway). qkv ``[b, s, C]`` -> q, k
+        ``[b, s, HV, Dk]``, v ``[b, s, HV, Dv]``, gate, ``*gate_feats``."""
         query_key, value = torch.split(qkv, [2 * self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
         query_key = query_key.reshape(batch, seq_len, -1, self.key_head_dim)
         value = value.reshape(batch, seq_len, -1, self.value_head_dim)
-        if self.use_qk_l2norm if qk_l2norm is None else qk_l2norm:
+        if self.use_qk_l2norm and not tree:
             query_key = l2norm(query_key)
         query, key = query_key.chunk(2, dim=2)
         repeat = self.num_value_heads // self.num_key_heads
         if repeat > 1:
             query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
+        if tree:
+            return (query, key, value, gate.contiguous(), *gate_feats)
         return (query.contiguous(), key.contiguous(), value.contiguous(), gate.contiguous(),
                 *(t.contiguous() for t in gate_feats))
 
