@@ -78,9 +78,29 @@ def test_fla_many_rounds_l2norm_and_scale():
     p = pack([RolloutTree.from_trajectories(t) for t in groups], chunk_size=C).to(DEV)
     assert chunk_plan(p, C).num_rounds >= 3
     x = _inputs(p.num_tokens, 2, 2, 16, 16, seed=2)
+    k_raw = 3 * torch.randn(x[1].shape, generator=torch.Generator().manual_seed(7)).to(DEV)   # not unit-norm
     _check_backends(lambda *x, backend: tree_gated_delta_rule(*x, p, chunk_size=C, scale=0.3, backend=backend,
-                                                              use_qk_l2norm_in_kernel=True), x)
+                                                              use_qk_l2norm_in_kernel=True), [x[0], k_raw, *x[2:]])
     _check_backends(lambda *x, backend: tree_simple_gla(*x, p, chunk_size=C, backend=backend), x[:4])
+
+
+def test_gated_delta_rule_fla_strided_gqa_l2norm():
+    """What the GDN layer passes: q, k, v column slices of one projection (not contiguous), H < HV,
+    q/k l2norm in the kernel, fp32 gate; gradients reach the projection through the slices."""
+    p = _pack(corner_cases(C)["duplicates"])
+    T, H, HV, K = p.num_tokens, 1, 2, 16
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(T, 2 * H * K + HV * K + 3, generator=g).to(DEV)
+    gate = F.logsigmoid(torch.randn(T, HV, generator=g) + 2).to(DEV)
+    beta = torch.rand(T, HV, generator=g).to(DEV)
+
+    def op(wide, gate, beta, backend):
+        q, k = wide[:, :H * K].view(T, H, K), wide[:, H * K:2 * H * K].view(T, H, K)
+        v = wide[:, 2 * H * K:2 * H * K + HV * K].view(T, HV, K)
+        assert not q.is_contiguous()
+        return tree_gated_delta_rule(q, k, v, gate, beta, p, chunk_size=C, backend=backend,
+                                     use_qk_l2norm_in_kernel=True)
+    _check_backends(op, [wide, gate, beta])
 
 
 @pytest.mark.parametrize("case", ["on_boundary", "ends_inside", "multi_root"])
@@ -90,16 +110,21 @@ def test_simple_gla_fla(case):
     _check_backends(lambda *x, backend: tree_simple_gla(*x, p, chunk_size=C, backend=backend), [q, k, v, g])
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("case", ["one_past", "duplicates", "multi_root", "trajectory_pack"])
-def test_causal_conv1d_fla(case):
-    """Tree packs (fla conv patched after branch points) and a trajectory pack (fla's varlen conv)."""
+def test_causal_conv1d_fla(case, bias):
+    """Tree packs (fla conv patched after branch points) and a trajectory pack (fla's varlen conv);
+    SiLU with and without bias (the GDN layer's conv has none)."""
     if case == "trajectory_pack":
         p = pack_trajectories([RolloutTree.from_trajectories(corner_cases(C)["multi_root"])], chunk_size=C).to(DEV)
     else:
         p = _pack(corner_cases(C)[case])
     g = torch.Generator().manual_seed(4)
     x, w, b = (torch.randn(*s, generator=g).to(DEV) for s in ((p.num_tokens, 8), (8, 4), (8,)))
-    _check_backends(lambda *a, backend: tree_causal_conv1d(*a, p, activation="silu", backend=backend), [x, w, b])
+    if bias:
+        _check_backends(lambda *a, backend: tree_causal_conv1d(*a, p, activation="silu", backend=backend), [x, w, b])
+    else:
+        _check_backends(lambda *a, backend: tree_causal_conv1d(*a, None, p, activation="silu", backend=backend), [x, w])
 
 
 class _Target:

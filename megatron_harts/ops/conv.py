@@ -54,8 +54,8 @@ class _TreeConvFla(torch.autograd.Function):
     gather form over their ancestor windows (``sources`` / ``local``, see ``plan.conv_fix_plan``).
 
     The fix-up is computed in fp32 (as fla accumulates) over the U source rows. Backward: fla's conv
-    backward with the replaced rows' output gradient zeroed, plus the fix-up's gradient from a small
-    fp32 autograd graph over the source rows, added into dx in place (distinct rows). No [T, D] zero
+    backward with the replaced rows' output gradient zeroed, plus the fix-up's gradient over the
+    source rows (fp32, by hand: ``_gather_conv_bwd``), added into dx in place (distinct rows). No [T, D] zero
     buffers per window tap, no out-of-place copies of y. Like fla's own conv, the output is a view
     and must not be modified in place."""
 
@@ -104,7 +104,7 @@ def _gather_conv(x, weight, bias, anc, activation):
     """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` row indices into x (``len(x)`` = past a root).
 
     All W taps in one gather over x with a zero row appended, one weighted sum: a fixed handful of
-    ops whatever W (the fix-up runs in every conv layer's forward, recompute and backward)."""
+    ops whatever W (the fix-up runs in every conv layer's forward and recompute)."""
     y = (_taps(x, anc) * weight.flip(1).t().unsqueeze(1)).sum(0)   # [W, R, D] x [W, 1, D]
     if bias is not None:
         y = y + bias

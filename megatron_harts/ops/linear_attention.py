@@ -80,7 +80,9 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
     """Gated delta rule over the compact tokens of ``pack``.
 
     q, k ``[T, H, K]``; v ``[T, HV, V]`` (HV a multiple of H); g (log decay) and beta ``[T, HV]``.
-    Returns o ``[T, HV, V]`` in v's dtype.
+    Returns o ``[T, HV, V]`` in v's dtype. ``use_qk_l2norm_in_kernel``: q and k are first normalised
+    over their last dim as fla's ``l2norm`` does (``x / sqrt(sum(x^2) + 1e-6)``; fla's kernel on the
+    fla backend, the same formula in torch otherwise).
     """
     for name, x, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
         _check(pack, name, x, nd)
