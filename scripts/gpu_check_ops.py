@@ -95,7 +95,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--ops", default="gdn,simple_gla,conv,attention,attention_varlen,logprobs",
+    ap.add_argument("--ops", default="gdn,gdn_l2norm,simple_gla,conv,conv_nobias,attention,attention_varlen,logprobs",
                     help="attention_varlen: trajectory-wise side on FlashAttention varlen (torch >= 2.10)")
     add_save_fla_configs_arg(ap)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
@@ -123,9 +123,9 @@ def main():
     from fla.modules.causal_conv1d.ops import causal_conv1d
     cu, cu_cpu = pt.traj_cu_seqlens, pt.traj_cu_seqlens.cpu()
 
-    def fla_gdn(q, k, v, g, b):
+    def fla_gdn(q, k, v, g, b, l2norm=False):
         return chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), b[None], cu_seqlens=cu,
-                                      cu_seqlens_cpu=cu_cpu)[0][0]
+                                      cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=l2norm)[0][0]
 
     def fla_gla(q, k, v, g):
         return chunk_simple_gla(q[None], k[None], v[None], g[None].float(), cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0][0]
@@ -138,6 +138,11 @@ def main():
         "gdn": (lambda: [q, k, v, gate, beta], 5,
                 lambda *x: tree_gated_delta_rule(*x, p, backend="fla"), fla_gdn,
                 lambda *x: tree_gated_delta_rule(*x, pt, backend="torch"), (3,)),
+        "gdn_l2norm": (lambda: [3 * torch.randn(T, H, K, device=dev), 3 * torch.randn(T, H, K, device=dev), v, gate,
+                                beta], 5,
+                       lambda *x: tree_gated_delta_rule(*x, p, backend="fla", use_qk_l2norm_in_kernel=True),
+                       lambda *x: fla_gdn(*x, l2norm=True),
+                       lambda *x: tree_gated_delta_rule(*x, pt, backend="torch", use_qk_l2norm_in_kernel=True), (3,)),
         "simple_gla": (lambda: [q, k, v[:, :H].contiguous(), gate[:, :H].contiguous()], 4,
                        lambda *x: tree_simple_gla(*x, p, backend="fla"), fla_gla,
                        lambda *x: tree_simple_gla(*x, pt, backend="torch"), (3,)),
@@ -147,6 +152,11 @@ def main():
                  lambda x, w, b: causal_conv1d(x[None], w, b, activation="silu", cu_seqlens=cu,
                                                cu_seqlens_cpu=cu_cpu)[0][0],
                  lambda x, w, b: tree_causal_conv1d(x, w, b, pt, "silu", backend="torch"), ()),
+        "conv_nobias": (lambda: [torch.randn(T, D, device=dev), torch.randn(D, 4, device=dev) / 2], 1,
+                        lambda x, w: tree_causal_conv1d(x, w, None, p, "silu", backend="fla"),
+                        lambda x, w: causal_conv1d(x[None], w, None, activation="silu", cu_seqlens=cu,
+                                                   cu_seqlens_cpu=cu_cpu)[0][0],
+                        lambda x, w: tree_causal_conv1d(x, w, None, pt, "silu", backend="torch"), ()),
         "attention": (lambda: [torch.randn(T, 16, 128, device=dev), torch.randn(T, 4, 128, device=dev),
                                torch.randn(T, 4, 128, device=dev)], 3,
                       lambda *x: tree_attention(*x, p, backend="flex"),
