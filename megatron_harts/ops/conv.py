@@ -55,9 +55,9 @@ class _TreeConvFla(torch.autograd.Function):
 
     The fix-up is computed in fp32 (as fla accumulates) over the U source rows. Backward: fla's conv
     backward with the replaced rows' output gradient zeroed, plus the fix-up's gradient over the
-    source rows (fp32, by hand: ``_gather_conv_bwd``), added into dx in place (distinct rows). No [T, D] zero
-    buffers per window tap, no out-of-place copies of y. Like fla's own conv, the output is a view
-    and must not be modified in place."""
+    source rows (fp32, by hand: ``_gather_conv_bwd``), added into dx in place (distinct rows). No
+    [T, D] zero buffers per window tap, no out-of-place copies of y. Like fla's own conv, the output
+    is a view and must not be modified in place."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows, sources, local, activation):

@@ -6,9 +6,9 @@ gradients). Only the recurrences depend on a sequence's initial state, so a tree
 call per round for them alone; every chunk-local kernel runs once over all rounds' sequences
 (one varlen layout, ``ChunkPlan.gather_all``). Each Function takes and returns compact tensors
 (``[T, ...]``) and moves them to and from that layout inside its own forward / backward, so a
-layer adds one autograd node, not one per input and output. Per layer: R recurrence launches forward and 2R
-backward (the backward recomputes the states, as fla does) plus a fixed number of fused ones,
-instead of R full fla calls each way.
+layer adds one autograd node, not one per input and output. Per layer: R recurrence launches
+forward and 2R backward (the backward recomputes the states, as fla does) plus a fixed number of
+fused ones, instead of R full fla calls each way.
 
 States between rounds: round r's final states (fp32) are gathered by ``init_from`` into round
 r+1's initial states; backward scatter-adds the initial-state gradients (``dh0``) back into the
