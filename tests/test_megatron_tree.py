@@ -1,4 +1,5 @@
-"""Tree-packed HybridModel == trajectory-wise THD baseline == each trajectory alone (DESIGN.md §4).
+"""Tree-packed HybridModel == trajectory-wise THD baseline == each trajectory alone
+(docs/design.md#12-numerical-contract-and-verification).
 
 A tiny fp32 ``HybridModel`` ("G*-G-": GDN, attention, MLP) built on CPU through ``cpu_shim`` with
 ``tree_hybrid_stack_spec``. The same weights run (a) ``pack_trajectories`` (every trajectory its

@@ -1,4 +1,4 @@
-"""MoE under tree packing (DESIGN.md §3 "MoE"): multiplicity-weighted router objectives.
+"""MoE under tree packing (docs/design.md#9-moe): multiplicity-weighted router objectives.
 
 * Router level: ``TreeTopKRouter`` on the compact tokens of a pack (tree mode) == stock
   ``TopKRouter`` on the trajectory tokens (every compact token repeated once per trajectory through

@@ -1,4 +1,5 @@
-"""Random and hand-made rollout trees hitting the corner cases of DESIGN.md section 4."""
+"""Random and hand-made rollout trees hitting the corner cases of
+docs/design.md#12-numerical-contract-and-verification."""
 from __future__ import annotations
 
 import numpy as np

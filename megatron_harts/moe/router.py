@@ -1,4 +1,4 @@
-"""Multiplicity-weighted top-k routing for tree packs (DESIGN.md §3, "MoE").
+"""Multiplicity-weighted top-k routing for tree packs (docs/design.md#9-moe).
 
 Under tree packing a compact token ``u`` stands for ``multiplicity(u)`` trajectory tokens with the
 same hidden state, so with deterministic, no-drop top-k routing it gets the same logits, scores

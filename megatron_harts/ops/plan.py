@@ -1,7 +1,7 @@
 """Plans derived once per TreePack: chunk rounds for linear attention, conv ancestors.
 
-Chunk plan (DESIGN.md section 3). Trajectory-wise training cuts every trajectory into chunks
-``[kC, (k+1)C)``; the plan keeps that partition:
+Chunk plan (docs/design.md#4-chunked-linear-attention, §4.1). Trajectory-wise training cuts every
+trajectory into chunks ``[kC, (k+1)C)``; the plan keeps that partition:
 
 * a *chunk leaf* is a compact token at a chunk's last position or without children. Each one
   closes one *instance*: the path from the chunk's first token (the chunk root, position kC)

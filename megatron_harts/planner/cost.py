@@ -1,4 +1,4 @@
-"""Cost model of one microbatch of tree work (DESIGN.md section 3, "Planning").
+"""Cost model of one microbatch of tree work (docs/design.md#10-planner).
 
 Units: FLOPs of forward + backward (about 3x forward) for the whole model, replay excluded:
 

@@ -1,4 +1,4 @@
-"""DP rank x microbatch x slot planning of a step's rollout trees (DESIGN.md section 3).
+"""DP rank x microbatch x slot planning of a step's rollout trees (docs/design.md#10-planner).
 
 1. Statistics per tree (compact / replay tokens, attention pairs, rounds); trees whose memory
    (compact + replay tokens) exceeds ``microbatch_capacity`` are cut into contiguous DFS ranges
