@@ -1,0 +1,242 @@
+"""Start inference servers as subprocesses: SGLang on a GPU, the embedded transformers engine on CPU.
+
+Both come up the same way: a free port on ``host``, the process in its own process group with
+stdout and stderr in a log file, then ``GET /health`` until it answers 200 or ``startup_timeout``
+seconds pass; if the process exits first, the :class:`EngineError` carries the tail of its log.
+:meth:`stop` sends SIGTERM to the process group, then SIGKILL after ``grace`` seconds. Each
+server is a context manager and hands out :class:`~.http.HttpEngine` clients via :meth:`engine`.
+
+SGLang runs with ``--skip-tokenizer-init`` (token ids in and out; the agent loop tokenises) and
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (and the pre-0.5.3 spelling ``RETURN_ORIGINAL_LOGPROB=1``) so
+returned log-probs are the model's own, before temperature. ``/release_memory_occupation`` on
+SGLang needs ``enable_memory_saver=True`` (``--enable-memory-saver``).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any, Sequence
+
+from ..types import EngineError
+from .http import HttpEngine
+
+log = logging.getLogger(__name__)
+
+_LIVE: "weakref.WeakSet[_ServerProcess]" = weakref.WeakSet()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError as e:
+        return f"(log {path} unreadable: {e})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class _ServerProcess:
+    """A server subprocess with a URL, a log file, readiness and shutdown (see the module doc)."""
+
+    kind = "server"
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, log_path: str | None = None,
+                 env: dict[str, str] | None = None, startup_timeout: float = 600.0, grace: float = 10.0,
+                 python: str | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.python = python or sys.executable
+        self.startup_timeout, self.grace = float(startup_timeout), float(grace)
+        self.env = dict(os.environ, **(env or {}))
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"harts-{self.kind}-{self.port}-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self) -> "_ServerProcess":
+        """Launch and wait until ``/health`` answers 200; raises :class:`EngineError` (with the log
+        tail) if the process exits or ``startup_timeout`` passes first."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.kind} at {self.url} already started")
+        cmd = self.command()
+        log.info("starting %s at %s: %s (log %s)", self.kind, self.url, " ".join(cmd), self.log_path)
+        t0 = time.monotonic()
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True)
+        _LIVE.add(self)
+        probe = HttpEngine(self.url, timeout=5.0, retries=0)
+        deadline = t0 + self.startup_timeout
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                self.proc = None
+                _LIVE.discard(self)
+                raise EngineError(f"{self.kind} at {self.url} exited with code {rc} during startup "
+                                  f"(log {self.log_path}); last lines:\n{_tail(self.log_path)}")
+            if probe.alive(timeout=2.0):
+                break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineError(f"{self.kind} at {self.url} not healthy after {self.startup_timeout:g} s "
+                                  f"(log {self.log_path}); last lines:\n{_tail(self.log_path)}")
+            time.sleep(0.2)
+        self.startup_s = time.monotonic() - t0
+        log.info("%s at %s up in %.1f s", self.kind, self.url, self.startup_s)
+        return self
+
+    def alive(self) -> bool:
+        """The process is running (says nothing about health: see ``engine().health()``)."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def engine(self, **kw: Any) -> HttpEngine:
+        """A client for this server (``HttpEngine`` keyword arguments pass through)."""
+        kw.setdefault("name", f"{self.kind}@{self.host}:{self.port}")
+        return HttpEngine(self.url, **kw)
+
+    def stop(self) -> int | None:
+        """SIGTERM to the process group, SIGKILL after ``grace`` seconds; returns the exit code."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        _LIVE.discard(self)
+        for sig, wait in ((signal.SIGTERM, self.grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                rc = proc.wait(wait)
+                log.info("%s at %s stopped (exit %s)", self.kind, self.url, rc)
+                if sig == signal.SIGTERM:   # children of the group may outlive the leader
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                return rc
+            except subprocess.TimeoutExpired:
+                log.warning("%s at %s did not exit %g s after %s", self.kind, self.url, wait, sig.name)
+        return None
+
+    def log_tail(self, lines: int = 30) -> str:
+        return _tail(self.log_path, lines)
+
+    def __enter__(self):
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}, running={self.alive()})"
+
+
+class SGLangServer(_ServerProcess):
+    """``python -m sglang.launch_server --model-path DIR --skip-tokenizer-init --host H --port P``.
+
+    ``mem_fraction_static``: SGLang's fraction of GPU memory for weights + KV cache;
+    ``weight_version``: tag of the initial weights; ``enable_memory_saver``: allow
+    ``release_memory``/``resume_memory``; ``extra_args``: more ``launch_server`` flags verbatim;
+    ``return_original_logprob``: see the module doc. Other keywords: :class:`_ServerProcess`.
+    """
+
+    kind = "sglang"
+
+    def __init__(self, model_path: str, *, mem_fraction_static: float | None = None,
+                 weight_version: str | None = None, enable_memory_saver: bool = False,
+                 extra_args: Sequence[str] = (), return_original_logprob: bool = True, **kw: Any):
+        env = dict(kw.pop("env", None) or {})
+        if return_original_logprob:
+            env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+            env.setdefault("RETURN_ORIGINAL_LOGPROB", "1")
+        super().__init__(env=env, **kw)
+        self.model_path, self.mem_fraction_static = str(model_path), mem_fraction_static
+        self.weight_version, self.enable_memory_saver = weight_version, enable_memory_saver
+        self.extra_args = [str(a) for a in extra_args]
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--skip-tokenizer-init",
+               "--host", self.host, "--port", str(self.port)]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.weight_version is not None:
+            cmd += ["--weight-version", str(self.weight_version)]
+        if self.enable_memory_saver:
+            cmd += ["--enable-memory-saver"]
+        return cmd + self.extra_args
+
+
+class EmbeddedServer(_ServerProcess):
+    """``python -m megatron_harts.rollout.engines.embedded_server --model-path DIR --port P``: the
+    embedded transformers engine (CPU default, not SGLang) in its own process.
+
+    ``threads``: torch intra-op threads of the server; ``weight_version``: tag of the initial
+    weights; ``extra_args``: more flags verbatim. The server exits by itself when this process
+    is gone. Other keywords: :class:`_ServerProcess` (``startup_timeout`` defaults to 300 s).
+    """
+
+    kind = "embedded"
+
+    def __init__(self, model_path: str, *, weight_version: str | None = None, threads: int | None = None,
+                 extra_args: Sequence[str] = (), **kw: Any):
+        kw.setdefault("startup_timeout", 300.0)
+        env = dict(kw.pop("env", None) or {})
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        super().__init__(env=env, **kw)
+        self.model_path, self.weight_version, self.threads = str(model_path), weight_version, threads
+        self.extra_args = [str(a) for a in extra_args]
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "megatron_harts.rollout.engines.embedded_server", "--model-path", self.model_path,
+               "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid())]
+        if self.weight_version is not None:
+            cmd += ["--weight-version", str(self.weight_version)]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)]
+        return cmd + self.extra_args
+
+
+def start_engine(kind: str, model_path: str, **kw: Any) -> _ServerProcess:
+    """Start ``kind`` (``"sglang"`` or ``"embedded"``) serving ``model_path``; returns the running
+    server (a context manager; ``.engine()`` gives its :class:`HttpEngine`). Keywords go to
+    :class:`SGLangServer` or :class:`EmbeddedServer`."""
+    classes = {"sglang": SGLangServer, "embedded": EmbeddedServer}
+    if kind not in classes:
+        raise ValueError(f"engine kind must be one of {sorted(classes)}, got {kind!r}")
+    return classes[kind](model_path, **kw).start()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        try:
+            server.stop()
+        except Exception:        # noqa: BLE001 - best effort at exit
+            pass
