@@ -1,0 +1,190 @@
+"""``megatron_harts.verify`` rejects broken trees: mutation tests of the checker (CPU, fp32).
+
+Each mutant of ``megatron_harts.verify_mutants`` breaks the tree side in one way (an ancestor mask
+that lets a token see a sibling-branch token, a state handoff at a branch dropped, RoPE positions
+off by one below branch points, MoE multiplicity ignored by the router); ``verify --mutant NAME``
+must exit 1 on a workload that exercises it, and the unmutated run must exit 0 on the same
+workload. The margins (difference over gate) are printed; ``docs/benchmarks/verify_mutants.md``
+records them. Also: ``--dtype float64`` (every class, decay included, within 1e-6), the error for an
+``E`` pattern without ``--num-moe-experts``, and the per-class noise gate of ``--device cuda``.
+"""
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from megatron_harts import verify, verify_mutants
+from megatron_harts.ops.attention import ancestor_mask, block_mask
+from megatron_harts.ops.plan import chunk_plan
+from megatron_harts.packing import pack, pack_trajectories
+from megatron_harts.tree import trees_from_trajectories
+from megatron_harts.tree.io import write_jsonl
+from megatron_harts.workloads import AgenticConfig, agentic_batch
+
+C = 8
+#: Small agentic batch (2 groups x 4 samples, 222 compact / 410 trajectory tokens): with C = 8 it
+#: has branch points inside chunks and at a chunk boundary, and handoffs with and without replay.
+CONFIG = AgenticConfig(num_groups=2, group_size=4, turns=(2, 5), vocab_size=64, prompt_tokens=(8, 16),
+                       assistant_tokens=(3, 8), tool_tokens_median=5, tool_tokens_max=12, seed=1)
+MODEL = ["--pattern", "G*E", "--num-moe-experts", "4", "--chunk-size", str(C), "--seed", "1"]
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    path = tmp_path_factory.mktemp("verify") / "small.jsonl"
+    trajs = agentic_batch(CONFIG)
+    write_jsonl(path, trajs)
+    return str(path), trees_from_trajectories(trajs)
+
+
+def _verify(*args):
+    """``verify.main(args)``: (exit status, its JSON line or None)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = verify.main(list(args))
+    lines = out.getvalue().strip().splitlines()
+    return rc, (json.loads(lines[-1]) if lines else None)
+
+
+def _show(capsys, what, res):
+    grads = {k: g["margin"] for k, g in res["gates"].items() if k.startswith("grad/")}
+    worst_grad = max(grads, key=grads.get)
+    with capsys.disabled():
+        print(f"\n  verify {what}: margin {res['margin']:.3g} at {res['worst_gate']} (largest gradient class: "
+              f"{worst_grad} {grads[worst_grad]:.3g})", end="")
+
+
+def test_workload_exercises_every_mutant(workload):
+    _, trees = workload
+    cov = verify_mutants.branch_coverage(pack(trees, chunk_size=C))
+    assert cov["at_chunk_boundary"] > 0 and cov["inside_chunk"] > 0, cov
+    assert cov["handoff_with_replay"] > 0 and cov["handoff_sequences"] > cov["handoff_with_replay"], cov
+
+
+def test_unmutated_passes(workload, capsys):
+    rc, res = _verify("--trajectories", workload[0], *MODEL)
+    _show(capsys, "unmutated", res)
+    assert rc == 0 and res["margin"] < 1, res
+    classes = {"decay", "gdn_in_proj", "attention_qkv", "router", "experts", "embedding", "output"}
+    assert classes <= set(res["per_class"])
+    assert {"moe_losses_rel_diff", "moe_counts_rel_diff"} <= set(res["gates"])
+    assert res["moe_counts_rel_diff"] == 0.0       # expert-bias token counts are exact sums
+
+
+@pytest.mark.parametrize("mutant", sorted(verify_mutants.MUTANTS))
+def test_mutant_is_rejected(workload, mutant, capsys):
+    rc, res = _verify("--trajectories", workload[0], *MODEL, "--mutant", mutant)
+    _show(capsys, mutant, res)
+    assert res["mutant"]["name"] == mutant and res["mutant"]["exercised"] > 0
+    assert rc == 1 and res["margin"] > 1, res
+
+
+def test_documented_mutant_command_fails_on_the_default_workload():
+    """``python -m megatron_harts.verify --mutant sibling_visible`` (README) exits 1."""
+    rc, res = _verify("--mutant", "sibling_visible")
+    assert rc == 1 and res["margin"] > 10, res
+
+
+@pytest.mark.parametrize("mutant", sorted(verify_mutants.MUTANTS))
+def test_mutant_changes_only_the_tree_side(workload, mutant):
+    """A mutant returns a copy (the pack it gets is left alone), is a no-op on the trajectory-wise
+    (baseline) layout, and on the tree changes only what it names."""
+    _, trees = workload
+    base = pack_trajectories(trees, chunk_size=C)
+    same, n = verify_mutants.apply(mutant, base)
+    assert n == 0, f"{mutant} changed the baseline layout"
+    p = pack(trees, chunk_size=C)
+    fields = {k: getattr(p, k).clone() for k in ("position_ids", "subtree_end", "multiplicity", "parent")}
+    bad, n = verify_mutants.apply(mutant, p)
+    assert n > 0 and bad is not p
+    for k, v in fields.items():
+        assert torch.equal(getattr(p, k), v), f"{mutant} modified the input pack's {k}"
+    fresh = pack(trees, chunk_size=C)
+    assert torch.equal(ancestor_mask(p), ancestor_mask(fresh))
+    plan, want = chunk_plan(p, C), chunk_plan(fresh, C)
+    assert len(plan.rounds) == len(want.rounds) > 1
+    changed_mask = not torch.equal(ancestor_mask(bad), ancestor_mask(fresh))
+    changed_plan = len(chunk_plan(bad, C).rounds) != len(want.rounds)
+    changed_pos = not torch.equal(bad.position_ids, fresh.position_ids)
+    assert (changed_mask, changed_plan, changed_pos) == {
+        "sibling_visible": (True, False, False), "state_handoff_dropped": (False, True, False),
+        "position_off_by_one": (False, False, True), "moe_multiplicity_ignored": (False, False, False)}[mutant]
+    if mutant == "position_off_by_one":      # the chunk plan still follows the true positions
+        assert chunk_plan(bad, C).gather_all.equal(want.gather_all)
+
+
+def test_sibling_visible_widens_exactly_one_entry_per_later_sibling(workload):
+    """The dense (SDPA) and block (FlexAttention) masks of the mutant: the ancestor mask plus, for
+    each first token of a later sibling, the first token of the previous sibling."""
+    _, trees = workload
+    p = pack(trees, chunk_size=C)
+    bad, n = verify_mutants.sibling_visible(p, masks=("dense", "block"))
+    extra = ancestor_mask(bad) & ~ancestor_mask(p)
+    assert int(extra.sum()) == n > 0 and not (ancestor_mask(p) & ~ancestor_mask(bad)).any()
+    q, kv = torch.nonzero(extra, as_tuple=True)
+    assert torch.equal(p.parent[q], p.parent[kv]) and torch.equal(p.subtree_end[kv], q)
+    T = p.num_tokens
+    grid = torch.arange(T)
+    dense = block_mask(bad).mask_mod(0, 0, grid[:, None].expand(T, T), grid[None, :].expand(T, T))
+    assert torch.equal(dense, ancestor_mask(bad))
+
+
+def test_state_handoff_dropped_reaches_the_fla_rounds(workload):
+    """The merged one-round plan is what fla's fused rounds (the CUDA path) are built from."""
+    from megatron_harts.ops.fla_rounds import fused_rounds
+    _, trees = workload
+    bad, n = verify_mutants.apply("state_handoff_dropped", pack(trees, chunk_size=C))
+    fr = fused_rounds(bad, C)
+    assert n > 0 and len(fr.rounds) == 1 and fr.init_from == [None]
+
+
+def test_mutant_that_the_workload_cannot_show_exits_2(tmp_path):
+    """Unrelated trajectories: no branch point, so no sibling to reveal."""
+    path = tmp_path / "chains.jsonl"
+    path.write_text("".join(json.dumps({"tokens": [i + 1] + list(range(2, 12))}) + "\n" for i in range(3)))
+    rc, _ = _verify("--trajectories", str(path), "--pattern", "G*", "--mutant", "sibling_visible")
+    assert rc == 2
+
+
+def test_float64_layouts_agree_to_1e_6_decay_included(workload, capsys):
+    rc, res = _verify("--trajectories", workload[0], *MODEL, "--dtype", "float64")
+    _show(capsys, "float64", res)
+    assert rc == 0 and res["dtype"] == "float64", res
+    assert res["gates"]["grad/decay"]["gate"] == 1e-6 and max(res["per_class"].values()) < 1e-6, res
+
+
+def test_float64_refuses_mamba():
+    with pytest.raises(SystemExit) as e:
+        verify.main(["--pattern", "GM*", "--dtype", "float64"])
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--pattern", "G*E-"], "has MoE layers ('E'): give their expert count with --num-moe-experts N"),
+    (["--pattern", "G*-", "--num-moe-experts", "4"], "--num-moe-experts needs MoE layers ('E')"),
+    (["--mutant", "moe_multiplicity_ignored"], "needs a layer of type 'E'"),
+])
+def test_argument_errors_are_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        verify.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err, err
+
+
+def test_cuda_gate_is_per_class():
+    """``noise_gates``: a noisy decay class in the rerun raises the decay bar only; a class whose own
+    noise is small fails at a difference the decay noise would have hidden."""
+    rerun = {"max_logprob_abs_diff": 0.09, "loss_rel_diff": 1e-3,
+             "per_class": {"decay": 0.15, "attention_qkv": 0.004, "mlp": 0.02}}
+    ok = {"max_logprob_abs_diff": 0.1, "loss_rel_diff": 1e-3,
+          "per_class": {"decay": 0.4, "attention_qkv": 0.02, "mlp": 0.05}}
+    assert verify.within_noise(ok, [rerun], 3.0) == []
+    gates = verify.noise_gates(ok, [rerun], 3.0)
+    assert gates["grad/attention_qkv"][1] == pytest.approx(0.03)     # its BF16 floor (1e-2) x 3
+    assert gates["grad/decay"][1] == pytest.approx(0.45)
+    bad = dict(ok, per_class=dict(ok["per_class"], attention_qkv=0.2))   # < 3 x the decay noise, > its own
+    assert verify.within_noise(bad, [rerun], 3.0) == ["grad/attention_qkv"]
+    nan = dict(ok, per_class=dict(ok["per_class"], mlp=float("nan")))
+    assert verify.within_noise(nan, [rerun], 3.0) == ["grad/mlp"]
