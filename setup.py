@@ -21,12 +21,16 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "transformers>=5.0",
-                 "matplotlib>=3.8", "scipy>=1.11"],
+                 "matplotlib>=3.8", "scipy>=1.11", "ray>=2.40", "safetensors>=0.4"],
+        # the RL loop (megatron_harts.rollout): Ray actors, the embedded transformers engine, checkpoints;
+        # sandboxes need bubblewrap (apt-get install bubblewrap) and root for overlayfs mounts
+        "rollout": ["ray>=2.40", "transformers>=5.0", "safetensors>=0.4"],
+        "sglang": ["sglang>=0.5"],
         "bench": ["matplotlib>=3.8", "scipy>=1.11"],
         "te": ["transformer-engine>=2.0"],
         "apex": ["apex"],
-        "rollout": ["sglang>=0.5"],
     },
     entry_points={"console_scripts": ["harts-demo=megatron_harts.demo:main",
-                                      "harts-verify=megatron_harts.verify:main"]},
+                                      "harts-verify=megatron_harts.verify:main",
+                                      "harts-rl=megatron_harts.rollout.cli:main"]},
 )

@@ -28,6 +28,15 @@ find_python() {
   return 1
 }
 
+# The rollout side's sandboxes run tools under bubblewrap (Debian/Ubuntu package: bubblewrap).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap (sandboxes of megatron_harts.rollout)"
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }
+  else
+    echo "[setup] warning: bwrap (bubblewrap) not found; install it for megatron_harts.rollout's sandboxes" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
   py=$(find_python)
   echo "[setup] creating .venv with $py ($("$py" --version))"

@@ -63,6 +63,10 @@ class LookupEnv(SandboxEnv):
         """The content of the requested file (the correct answer)."""
         return self.files[self.target]
 
+    def solution(self) -> list[str]:
+        """The model turns of a correct episode (scripted demonstrations for a warm-up)."""
+        return [f"{self.target}</call>", f"{self.expected}<eos>"]
+
     def command(self, call_text: str) -> str:
         return CALL_PREFIX + call_text
 

@@ -1,0 +1,99 @@
+"""``python -m megatron_harts.rollout``: agentic RL on SGLang (or the embedded CPU engine) with HARTS.
+
+CPU (the default, runs anywhere; the embedded transformers engine, not SGLang)::
+
+    python -m megatron_harts.rollout --steps 2
+
+GPU (SGLang 0.5.x installed; the trainer on the same GPU)::
+
+    python -m megatron_harts.rollout --engine sglang --device cuda --model small --steps 50 \
+        --engine-args="--mem-fraction-static 0.3"
+
+or against running servers: ``--engine-urls http://host:30000,http://host:30001``. Prints one
+line per step (reward, compression, rollout / train / sync seconds, rollout-train log-prob
+mismatch) and writes ``<out>/rollout.json``. ``--trainer traj`` trains the same loop
+trajectory-wise (the baseline). ``--ray`` runs engines, environment workers and the trainer as
+Ray actors (a local cluster is started unless ``RAY_ADDRESS`` points to one).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+import warnings
+
+from .agent_loop import RolloutConfig
+from .loop import LoopConfig, RLLoop
+
+
+def parse_args(argv=None) -> LoopConfig:
+    ap = argparse.ArgumentParser(prog="python -m megatron_harts.rollout", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_argument_group("loop")
+    g.add_argument("--steps", type=int, default=2)
+    g.add_argument("--out", default="out/rl", help="run directory (checkpoints, engine logs, rollout.json)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ray", action="store_true", help="engines, workers and trainer as Ray actors")
+    g = ap.add_argument_group("engine")
+    g.add_argument("--engine", choices=["embedded", "sglang"], default="embedded",
+                   help="embedded: in-process transformers server (CPU default); sglang: SGLang servers")
+    g.add_argument("--engine-urls", default="", help="comma-separated URLs of running servers (nothing started)")
+    g.add_argument("--num-engines", type=int, default=1)
+    g.add_argument("--engine-args", default="", help="extra server arguments, one shell-quoted string")
+    g = ap.add_argument_group("rollouts")
+    g.add_argument("--family", default="lookup", help="task family (lookup: learnable; code_repair)")
+    g.add_argument("--tasks-per-step", type=int, default=4)
+    g.add_argument("--group-size", type=int, default=4)
+    g.add_argument("--branch-turn", type=int, default=1, help="fork running episodes after this turn (0: never)")
+    g.add_argument("--branch-factor", type=int, default=2)
+    g.add_argument("--max-turns", type=int, default=4)
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--max-context-tokens", type=int, default=2048)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--max-concurrency", type=int, default=16)
+    g.add_argument("--rollout-workers", type=int, default=1)
+    g = ap.add_argument_group("trainer")
+    g.add_argument("--trainer", choices=["tree", "traj"], default="tree", help="tree: HARTS; traj: baseline")
+    g.add_argument("--model", default="tiny", help="model preset (tiny, small) or a config.json")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--chunk-size", type=int, default=16)
+    g.add_argument("--sft-warmup-steps", type=int, default=0,
+                   help="supervised steps on scripted demonstrations before RL (cold start)")
+    a = ap.parse_args(argv)
+    for name in ("steps", "tasks_per_step", "group_size", "branch_factor", "max_turns", "max_new_tokens",
+                 "num_engines", "rollout_workers", "max_concurrency"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    ro = RolloutConfig(group_size=a.group_size, branch_turn=a.branch_turn or None, branch_factor=a.branch_factor,
+                       max_turns=a.max_turns, max_new_tokens=a.max_new_tokens,
+                       max_context_tokens=a.max_context_tokens, temperature=a.temperature,
+                       max_concurrency=a.max_concurrency, seed=a.seed)
+    return LoopConfig(steps=a.steps, engine=a.engine, engine_urls=[u for u in a.engine_urls.split(",") if u],
+                      num_engines=a.num_engines, engine_args=shlex.split(a.engine_args), family=a.family,
+                      tasks_per_step=a.tasks_per_step, rollout=ro, rollout_workers=a.rollout_workers,
+                      trainer=a.trainer, model=a.model, lr=a.lr, chunk_size=a.chunk_size, device=a.device,
+                      seed=a.seed, use_ray=a.ray, out=a.out, sft_warmup_steps=a.sft_warmup_steps)
+
+
+HEADER = "step  reward  compr.  traj  rollout_s  train_s  sync_s  mismatch"
+ROW = "{step:>4}  {reward_mean:>6.3f}  {compression:>5.2f}x  {trajectories:>4}  {rollout_s:>9.2f}  {train_s:>7.2f}  " \
+      "{sync_s:>6.2f}  {mismatch:>8.2e}"
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|fla)\.")
+    try:
+        rows = RLLoop(cfg).run()
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"\n{cfg.trainer} trainer, {cfg.engine} engine, family {cfg.family}: rows in {cfg.out}/rollout.json")
+    print(HEADER)
+    for r in rows:
+        print(ROW.format(**r, mismatch=r["logprob_mismatch_max"] if r["logprob_mismatch_max"] is not None
+                         else float("nan")))
+    return 0

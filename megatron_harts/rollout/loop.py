@@ -1,0 +1,269 @@
+"""The on-policy RL loop: rollouts on engines -> HARTS training step -> weight sync, repeated.
+
+Pieces (each small and replaceable, composed here):
+
+* engines: SGLang servers (GPU) or the embedded transformers server (CPU default), reached
+  through one HTTP client (:mod:`.engines`);
+* :class:`RolloutWorker`: an :class:`~.agent_loop.AgentLoop` over sandboxed environments of one
+  task family (:mod:`.envs`), on the engines' URLs;
+* :class:`TrainerWorker`: the Megatron trainer (:class:`~.trainer.HartsTrainer`) and the export of
+  its weights as a Hugging Face checkpoint (:class:`~.weight_sync.WeightSync`);
+* :class:`RLLoop`: the driver. With ``use_ray=True`` each piece is a Ray actor (``ray.remote`` of
+  the same classes), so engines, environment workers and the trainer can sit on different nodes;
+  without Ray they are plain objects in this process (tests, debugging).
+
+Per step the driver records ``{step, engine, trainer, rollout_s, train_s, sync_s, compression,
+reward_mean, logprob_mismatch_max, ...}``; ``logprob_mismatch_*`` compares the engine's log-probs
+of the sampled tokens (weights of version ``step``, pushed after the previous step) with the
+trainer's tree-packed log-probs of the same tokens under the same weights.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .agent_loop import AgentLoop, RolloutConfig
+from .tokenizer import ByteTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopConfig:
+    """What one run of the loop does. ``engine``: ``embedded`` (CPU default) or ``sglang``;
+    ``engine_urls``: use running servers instead of starting ``num_engines``; ``family``: task
+    family of :func:`~.envs.make_env`; ``tasks_per_step`` tasks (groups) a step, each
+    ``rollout.group_size`` episodes (+ forks); ``trainer``: ``tree`` (HARTS) or ``traj``
+    (trajectory-wise baseline, same code otherwise); ``model``: a preset of
+    :func:`~.weight_sync.model_config` or a path to a config.json; ``out``: run directory
+    (checkpoints, engine logs, ``rollout.json`` rows)."""
+
+    steps: int = 2
+    engine: str = "embedded"
+    engine_urls: list[str] = field(default_factory=list)
+    num_engines: int = 1
+    engine_args: list[str] = field(default_factory=list)
+    family: str = "lookup"
+    tasks_per_step: int = 4
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout_workers: int = 1
+    trainer: str = "tree"
+    model: str = "tiny"
+    lr: float = 1e-3
+    chunk_size: int = 16
+    device: str = "cpu"
+    seed: int = 0
+    use_ray: bool = False
+    out: str = "out/rl"
+    sft_warmup_steps: int = 0
+
+
+class RolloutWorker:
+    """Runs the agent loop of one task family on the engines at ``urls`` (HTTP clients)."""
+
+    def __init__(self, urls: list[str], family: str, rollout: RolloutConfig, seed: int = 0):
+        from .engines import HttpEngine
+        from .envs import make_env
+
+        self.family, self.seed = family, seed
+        self.loop = AgentLoop([HttpEngine(u) for u in urls], ByteTokenizer(),
+                              lambda task: make_env(family, int(task), seed=seed), rollout)
+
+    def rollout(self, tasks: list[int], group_ids: list[str]):
+        return self.loop.rollout(tasks, group_ids)
+
+    def demonstrations(self, tasks: list[int], group_ids: list[str]):
+        return demonstrations(self.family, tasks, group_ids, seed=self.seed)
+
+
+def demonstrations(family: str, tasks: list[int], group_ids: list[str], seed: int = 0):
+    """One scripted correct episode per task (the environment's ``solution()``, run in its
+    sandbox), advantage 1 and no ``old_logprobs``: a supervised warm-up batch (cold start)."""
+    from .agent_loop import scripted_trajectory
+    from .envs import make_env
+    out = []
+    for t, g in zip(tasks, group_ids):
+        env = make_env(family, int(t), seed=seed)
+        if not hasattr(env, "solution"):
+            env.close()
+            raise ValueError(f"task family {family!r} has no scripted solution for a warm-up")
+        out.append(scripted_trajectory(env, env.solution(), ByteTokenizer(), traj_id=f"{g}/demo", group_id=g))
+    return out
+
+
+class TrainerWorker:
+    """The trainer and its weight export; lives where the training GPU is."""
+
+    def __init__(self, hf_config: dict, out_root: str, *, tree: bool, lr: float, chunk_size: int, device: str,
+                 seed: int):
+        from .trainer import HartsTrainer
+        from .weight_sync import WeightSync
+
+        self.trainer = HartsTrainer(hf_config, tree=tree, lr=lr, chunk_size=chunk_size, device=device, seed=seed)
+        self.sync = WeightSync(hf_config, out_root)
+
+    def export(self, version: str) -> tuple[str, dict]:
+        path, stats = self.sync.export(self.trainer.model, version)
+        return str(path), asdict(stats) if hasattr(stats, "__dataclass_fields__") else dict(stats)
+
+    def train_step(self, trajectories) -> dict:
+        return self.trainer.train_step(trajectories)
+
+    def logprobs(self, trajectories):
+        return self.trainer.logprobs(trajectories)
+
+
+def _remote(cls, use_ray: bool, **options):
+    if not use_ray:
+        return cls
+    import ray
+    return ray.remote(**options)(cls)
+
+
+def _call(obj, method: str, *args, use_ray: bool):
+    return getattr(obj, method).remote(*args) if use_ray else getattr(obj, method)(*args)
+
+
+def _get(x, use_ray: bool):
+    if not use_ray:
+        return x
+    import ray
+    return ray.get(x)
+
+
+class RLLoop:
+    """Driver of :class:`LoopConfig` runs; ``run()`` returns the per-step rows (also written to
+    ``<out>/rollout.json``)."""
+
+    def __init__(self, cfg: LoopConfig):
+        from .weight_sync import model_config
+
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.hf_config = model_config(cfg.model)
+        self.servers: list[Any] = []
+        self.rows: list[dict] = []
+        if cfg.use_ray:
+            import ray
+            if not ray.is_initialized():
+                ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True,
+                         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                             [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}})
+
+    # -- setup / teardown ------------------------------------------------------------------------
+    def _start(self):
+        cfg, ray_ = self.cfg, self.cfg.use_ray
+        Trainer = _remote(TrainerWorker, ray_, num_cpus=0, num_gpus=1 if cfg.device == "cuda" and ray_ else 0)
+        self.trainer = Trainer(self.hf_config, str(self.out / "weights"), tree=cfg.trainer == "tree", lr=cfg.lr,
+                               chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed) if not ray_ else \
+            Trainer.remote(self.hf_config, str(self.out / "weights"), tree=cfg.trainer == "tree", lr=cfg.lr,
+                           chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed)
+        path, stats = _get(_call(self.trainer, "export", "v0", use_ray=ray_), ray_)
+        logger.info("initial weights v0 exported to %s (%.2f s)", path, stats.get("seconds", float("nan")))
+        urls = list(cfg.engine_urls)
+        if not urls:
+            from .engines import start_engine
+            for i in range(cfg.num_engines):
+                srv = start_engine(cfg.engine, path, log_path=str(self.out / f"engine{i}.log"),
+                                   extra_args=list(cfg.engine_args), weight_version="v0")
+                self.servers.append(srv)
+                urls.append(srv.url)
+        else:
+            self._push(path, "v0", urls)
+        self.urls = urls
+        Worker = _remote(RolloutWorker, ray_, num_cpus=0)
+        self.workers = [Worker(urls, cfg.family, cfg.rollout, cfg.seed) if not ray_ else
+                        Worker.remote(urls, cfg.family, cfg.rollout, cfg.seed) for _ in range(cfg.rollout_workers)]
+
+    def _push(self, path: str, version: str, urls: list[str] | None = None) -> float:
+        from .engines import HttpEngine
+        t0 = time.perf_counter()
+        for u in urls or self.urls:
+            HttpEngine(u).update_weights_from_disk(path, version)
+        return time.perf_counter() - t0
+
+    def close(self):
+        for s in self.servers:
+            s.stop()
+        self.servers = []
+        if self.cfg.use_ray:
+            import ray
+            ray.shutdown()
+        elif hasattr(self, "trainer"):
+            self.trainer.trainer.close()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _tasks(self, step: int, n: int | None = None) -> tuple[list[int], list[str]]:
+        """``n`` (default ``tasks_per_step``) distinct task indices of step ``step``, seeded."""
+        rng = np.random.default_rng([self.cfg.seed, step])
+        idx = rng.choice(10_000, size=n or self.cfg.tasks_per_step, replace=False)
+        return [int(i) for i in idx], [f"s{step}-{self.cfg.family}-{int(i)}" for i in idx]
+
+    def _rollout(self, step: int):
+        tasks, gids = self._tasks(step)
+        ray_ = self.cfg.use_ray
+        shards = [(tasks[i::len(self.workers)], gids[i::len(self.workers)]) for i in range(len(self.workers))]
+        results = _get([_call(w, "rollout", t, g, use_ray=ray_) for w, (t, g) in zip(self.workers, shards) if t],
+                       ray_)
+        trajs = [t for r in results for t in r.trajectories]
+        failed = [f for r in results for f in r.failed]
+        stats = {k: sum(r.stats[k] for r in results) for k in ("trajectories", "failed", "generated_tokens",
+                                                                "trajectory_tokens", "turns")}
+        stats["rollout_s"] = max(r.stats["rollout_s"] for r in results)
+        stats["reward_mean"] = float(np.mean([t.reward for t in trajs])) if trajs else float("nan")
+        stats["weight_versions"] = sorted({v for r in results for v in r.stats["weight_versions"]})
+        return trajs, failed, stats
+
+    def run(self) -> list[dict]:
+        cfg, ray_ = self.cfg, self.cfg.use_ray
+        self._start()
+        try:
+            for w in range(cfg.sft_warmup_steps):
+                tasks, gids = self._tasks(1_000_000 + w, cfg.tasks_per_step * cfg.rollout.group_size)
+                demos = _get(_call(self.workers[0], "demonstrations", tasks, gids, use_ray=ray_), ray_)
+                m = _get(_call(self.trainer, "train_step", demos, use_ray=ray_), ray_)
+                logger.info("warm-up %d/%d: loss %.4f", w + 1, cfg.sft_warmup_steps, m["loss"])
+            if cfg.sft_warmup_steps:
+                path, _ = _get(_call(self.trainer, "export", "v0w", use_ray=ray_), ray_)
+                self._push(path, "v0w")
+            for step in range(cfg.steps):
+                trajs, failed, rs = self._rollout(step)
+                if not trajs:
+                    raise RuntimeError(f"step {step}: every episode failed ({failed[:3]})")
+                m = _get(_call(self.trainer, "train_step", trajs, use_ray=ray_), ray_)
+                version = f"v{step + 1}"
+                t0 = time.perf_counter()
+                path, ws = _get(_call(self.trainer, "export", version, use_ray=ray_), ray_)
+                export_s = time.perf_counter() - t0
+                push_s = self._push(path, version)
+                row = {"step": step, "engine": cfg.engine, "trainer": cfg.trainer, "rollout_s": rs["rollout_s"],
+                       "train_s": m["train_s"], "sync_s": export_s + push_s, "sync_export_s": export_s,
+                       "sync_push_s": push_s, "sync_bytes": ws.get("bytes"), "compression": m["compression"],
+                       "reward_mean": rs["reward_mean"], "logprob_mismatch_max": m.get("logprob_mismatch_max"),
+                       "logprob_mismatch_mean": m.get("logprob_mismatch_mean"),
+                       "logprob_mismatch_p99": m.get("logprob_mismatch_p99"), "loss": m["loss"],
+                       "grad_norm": m["grad_norm"], "trajectories": rs["trajectories"], "failed": rs["failed"],
+                       "generated_tokens": rs["generated_tokens"], "trajectory_tokens": rs["trajectory_tokens"],
+                       "packed_tokens": m["packed_tokens"], "rollout_weight_versions": rs["weight_versions"]}
+                self.rows.append(row)
+                logger.info("step %d: reward %.3f, compression %.2fx, rollout %.2f s, train %.2f s, sync %.2f s, "
+                            "mismatch max %.2e", step, row["reward_mean"], row["compression"], row["rollout_s"],
+                            row["train_s"], row["sync_s"], row["logprob_mismatch_max"] or float("nan"))
+                with open(self.out / "rollout.json", "w") as f:
+                    json.dump({"config": _jsonable(asdict(cfg)), "hf_config": self.hf_config, "rows": self.rows},
+                              f, indent=1)
+        finally:
+            self.close()
+        return self.rows
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))

@@ -1,0 +1,158 @@
+"""The trainer side of the RL loop: a Megatron-Core ``HybridModel`` trained on rollout trees.
+
+:class:`HartsTrainer` builds the Megatron model that matches a Hugging Face Qwen3-Next config
+(``megatron.convert``: the engine serves the HF layout, the trainer trains the Megatron one),
+and runs one optimizer step per call of :meth:`train_step` on the step's trajectories:
+trajectories -> trees (one per group) -> microbatches (``megatron.batch.build_step``: tree packs,
+or with ``tree=False`` the trajectory-wise THD baseline on the same code path) -> forward,
+per-trajectory log-probs (``tree_token_logprobs``), the clipped policy loss with the step's global
+normalisers (``rl.policy_loss``), backward, AdamW. The forward also yields the trainer's log-probs
+of the sampled tokens under the weights the engine sampled with, so the rollout-train mismatch
+(``|trainer - engine|`` on generated tokens) is measured every step at no extra cost.
+
+This is the single-process trainer of the loop (CPU through ``cpu_shim``, or one GPU); users who
+train with ``torchrun``/SLURM run ``scripts/pretrain_hybrid_harts.py`` on the JSONL the loop
+writes (``scripts/launch_torchrun.sh``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..megatron import convert, cpu_shim
+from ..megatron.batch import build_step, model_inputs
+from ..ops import tree_token_logprobs
+from ..rl import policy_loss
+from ..tree import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+class HartsTrainer:
+    """One Megatron model + optimizer. ``hf_config``: Qwen3-Next config kwargs (what the engine
+    loads); ``tree``: HARTS tree packing (else trajectory-wise THD packs); ``microbatch_tokens``:
+    target compact tokens per microbatch (the step is split into at least that many, at most one
+    tree a microbatch); ``loss``: :func:`~megatron_harts.rl.policy_loss` keyword arguments.
+    ``device="cuda"`` trains in fp32 parameters on one GPU (the loop's small models), CPU through
+    ``cpu_shim``."""
+
+    def __init__(self, hf_config: dict, *, tree: bool = True, lr: float = 1e-3, weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, chunk_size: int = 16, microbatch_tokens: int = 1 << 16,
+                 device: str = "cpu", seed: int = 0, loss: dict | None = None):
+        self.hf_config, self.tree, self.chunk_size = dict(hf_config), tree, chunk_size
+        self.microbatch_tokens, self.grad_clip, self.device = microbatch_tokens, grad_clip, device
+        self.loss_kwargs = dict(loss_type="grpo", loss_agg_mode="token-mean", **(loss or {}))
+        self.args = convert.hf_config_to_megatron(self.hf_config)
+        self._owns_cpu = False
+        if device == "cpu":
+            # several trainers in one process (tests: tree vs baseline) share the CPU setup; the
+            # first one owns it and tears it down
+            from megatron.core import parallel_state as ps
+            self._owns_cpu = not (cpu_shim.is_enabled() and ps.model_parallel_is_initialized())
+            if self._owns_cpu:
+                cpu_shim.init_cpu_model_parallel(1, 1, seed)
+            cpu_shim.cpu_manual_seed(seed)
+        else:
+            from ..megatron.gpu import init_single_gpu
+            init_single_gpu(seed)
+        self.model = convert.build_megatron_model(self.args, tree=True)
+        if device != "cpu":
+            self.model = self.model.cuda()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        self.step = 0
+        logger.info("trainer: %s HybridModel %r, %.2fM params, %s", "tree-packed" if tree else "trajectory-wise",
+                    self.args.pattern, sum(p.numel() for p in self.model.parameters()) / 1e6, device)
+
+    def close(self) -> None:
+        if self._owns_cpu:
+            cpu_shim.destroy_cpu_model_parallel()
+            self._owns_cpu = False
+
+    # -- weights ----------------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights in the engine's (Hugging Face) layout, on the host."""
+        sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        return convert.megatron_to_hf(sd, self.hf_config)
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        _, msd = convert.hf_to_megatron(sd, self.hf_config)
+        convert.load_megatron_state_dict(self.model, {k: v.to(self._param_device) for k, v in msd.items()})
+
+    @property
+    def _param_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- training ---------------------------------------------------------------------------------
+    def _microbatches(self, trajectories: Sequence[Trajectory]):
+        groups = {t.group_id for t in trajectories}
+        total = sum(len(t) for t in trajectories)
+        m = max(1, min(len(groups), math.ceil(total / self.microbatch_tokens)))
+        return build_step(trajectories, dp_size=1, dp_rank=0, num_microbatches=m, tree_packing=self.tree,
+                          chunk_size=self.chunk_size, step=self.step)
+
+    def _forward(self, mb):
+        """logits ``[1, T, V]`` of one microbatch (on the parameters' device)."""
+        tokens, position_ids, params = model_inputs(mb)
+        return self.model(tokens, position_ids, None, packed_seq_params=params)
+
+    def train_step(self, trajectories: Sequence[Trajectory]) -> dict:
+        """One optimizer step on ``trajectories`` (needs ``loss_mask`` and ``advantage``; with
+        ``old_logprobs`` the mismatch statistics are measured). Returns metrics: loss, grad_norm,
+        compression (trajectory / compact tokens), pack_s, fwd_bwd_s, optim_s, train_s, and
+        ``logprob_mismatch_{max,mean,p99}`` (nats, |trainer - engine| over generated tokens)."""
+        t0 = time.perf_counter()
+        self.model.train()
+        mbs = self._microbatches(trajectories)
+        t_pack = time.perf_counter() - t0
+        self.opt.zero_grad(set_to_none=True)
+        diffs, loss_sum, traj_tok, compact = [], 0.0, 0, 0
+        for mb in mbs:
+            mb = mb.to(self._param_device)
+            logits = self._forward(mb)
+            logprobs = tree_token_logprobs(logits[0], mb.pack)
+            n = mb.norms
+            loss, _ = policy_loss(logprobs, mb.rl, global_num_tokens=n.num_tokens,
+                                  global_num_sequences=n.num_sequences, global_max_len=n.max_len, **self.loss_kwargs)
+            loss.backward()              # each microbatch's loss is its share of the global loss
+            loss_sum += float(loss.detach())
+            if mb.rl.old_logprobs is not None:
+                lp = torch.cat([x.detach().float() for x in logprobs])
+                diffs.append((lp - mb.rl.old_logprobs)[mb.rl.loss_mask].abs().cpu())
+            traj_tok += mb.pack.num_trajectory_tokens
+            compact += mb.pack.num_tokens
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        t_fb = time.perf_counter() - t0 - t_pack
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        self.opt.step()
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        t_all = time.perf_counter() - t0
+        self.step += 1
+        d = torch.cat(diffs) if diffs else torch.zeros(0)
+        out = {"loss": loss_sum, "grad_norm": grad_norm, "microbatches": len(mbs),
+               "compression": traj_tok / max(compact, 1), "trajectory_tokens": traj_tok, "packed_tokens": compact,
+               "pack_s": t_pack, "fwd_bwd_s": t_fb, "optim_s": t_all - t_pack - t_fb, "train_s": t_all}
+        if d.numel():
+            out.update(logprob_mismatch_max=float(d.max()), logprob_mismatch_mean=float(d.mean()),
+                       logprob_mismatch_p99=float(torch.quantile(d.double(), 0.99)))
+        return out
+
+    @torch.no_grad()
+    def logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
+        """Per-trajectory log-probs ``[L_i - 1]`` (token ``t`` given ``tokens[:t]``, t >= 1) under
+        the current weights, tree-packed (or THD when ``tree=False``), in input order."""
+        self.model.eval()
+        out: dict[int, np.ndarray] = {}
+        order = {id(t): i for i, t in enumerate(trajectories)}
+        for mb in self._microbatches(trajectories):
+            mb = mb.to(self._param_device)
+            lps = tree_token_logprobs(self._forward(mb)[0], mb.pack)
+            for t, lp in zip(mb.pack.trajectories, lps):
+                out[order[id(t)]] = lp.float().cpu().numpy()
+        return [out[i] for i in range(len(trajectories))]
