@@ -41,6 +41,8 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--engine-urls", default="", help="comma-separated URLs of running servers (nothing started)")
     g.add_argument("--num-engines", type=int, default=1)
     g.add_argument("--engine-args", default="", help="extra server arguments, one shell-quoted string")
+    g.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of started servers (repeatable), e.g. PYTHONPATH=/opt/sglang")
     g = ap.add_argument_group("rollouts")
     g.add_argument("--family", default="lookup", help="task family (lookup: learnable; code_repair)")
     g.add_argument("--tasks-per-step", type=int, default=4)
@@ -59,6 +61,8 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--chunk-size", type=int, default=16)
+    g.add_argument("--attention-backend", choices=["auto", "torch", "flex"], default="auto",
+                   help="tree attention kernel of the trainer (torch: SDPA with a dense mask, for small packs)")
     g.add_argument("--sft-warmup-steps", type=int, default=0,
                    help="supervised steps on scripted demonstrations before RL (cold start)")
     a = ap.parse_args(argv)
@@ -66,14 +70,19 @@ def parse_args(argv=None) -> LoopConfig:
                  "num_engines", "rollout_workers", "max_concurrency"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    bad = [e for e in a.engine_env if "=" not in e]
+    if bad:
+        ap.error(f"--engine-env expects KEY=VALUE, got {bad[0]!r}")
     ro = RolloutConfig(group_size=a.group_size, branch_turn=a.branch_turn or None, branch_factor=a.branch_factor,
                        max_turns=a.max_turns, max_new_tokens=a.max_new_tokens,
                        max_context_tokens=a.max_context_tokens, temperature=a.temperature,
                        max_concurrency=a.max_concurrency, seed=a.seed)
     return LoopConfig(steps=a.steps, engine=a.engine, engine_urls=[u for u in a.engine_urls.split(",") if u],
-                      num_engines=a.num_engines, engine_args=shlex.split(a.engine_args), family=a.family,
+                      num_engines=a.num_engines, engine_args=shlex.split(a.engine_args),
+                      engine_env=dict(e.split("=", 1) for e in a.engine_env), family=a.family,
                       tasks_per_step=a.tasks_per_step, rollout=ro, rollout_workers=a.rollout_workers,
                       trainer=a.trainer, model=a.model, lr=a.lr, chunk_size=a.chunk_size, device=a.device,
+                      attention_backend=a.attention_backend,
                       seed=a.seed, use_ray=a.ray, out=a.out, sft_warmup_steps=a.sft_warmup_steps)
 
 

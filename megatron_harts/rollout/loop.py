@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..tree import trees_from_trajectories
 from .agent_loop import AgentLoop, RolloutConfig
 from .tokenizer import ByteTokenizer
 
@@ -43,13 +44,17 @@ class LoopConfig:
     ``rollout.group_size`` episodes (+ forks); ``trainer``: ``tree`` (HARTS) or ``traj``
     (trajectory-wise baseline, same code otherwise); ``model``: a preset of
     :func:`~.weight_sync.model_config` or a path to a config.json; ``out``: run directory
-    (checkpoints, engine logs, ``rollout.json`` rows)."""
+    (checkpoints, engine logs, ``rollout.json`` rows); ``engine_env``: environment of started
+    servers (e.g. SGLang's ``PYTHONPATH``); ``keep_engines``: leave started servers running after
+    ``run()`` (in ``RLLoop.servers``, for a next run on the same engines)."""
 
     steps: int = 2
     engine: str = "embedded"
     engine_urls: list[str] = field(default_factory=list)
     num_engines: int = 1
     engine_args: list[str] = field(default_factory=list)
+    engine_env: dict[str, str] = field(default_factory=dict)
+    keep_engines: bool = False
     family: str = "lookup"
     tasks_per_step: int = 4
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -58,6 +63,7 @@ class LoopConfig:
     model: str = "tiny"
     lr: float = 1e-3
     chunk_size: int = 16
+    attention_backend: str = "auto"
     device: str = "cpu"
     seed: int = 0
     use_ray: bool = False
@@ -102,11 +108,12 @@ class TrainerWorker:
     """The trainer and its weight export; lives where the training GPU is."""
 
     def __init__(self, hf_config: dict, out_root: str, *, tree: bool, lr: float, chunk_size: int, device: str,
-                 seed: int):
+                 seed: int, attention_backend: str = "auto"):
         from .trainer import HartsTrainer
         from .weight_sync import WeightSync
 
-        self.trainer = HartsTrainer(hf_config, tree=tree, lr=lr, chunk_size=chunk_size, device=device, seed=seed)
+        self.trainer = HartsTrainer(hf_config, tree=tree, lr=lr, chunk_size=chunk_size, device=device, seed=seed,
+                                    attention_backend=attention_backend)
         self.sync = WeightSync(hf_config, out_root)
 
     def export(self, version: str) -> tuple[str, dict]:
@@ -162,10 +169,10 @@ class RLLoop:
     def _start(self):
         cfg, ray_ = self.cfg, self.cfg.use_ray
         Trainer = _remote(TrainerWorker, ray_, num_cpus=0, num_gpus=1 if cfg.device == "cuda" and ray_ else 0)
-        self.trainer = Trainer(self.hf_config, str(self.out / "weights"), tree=cfg.trainer == "tree", lr=cfg.lr,
-                               chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed) if not ray_ else \
-            Trainer.remote(self.hf_config, str(self.out / "weights"), tree=cfg.trainer == "tree", lr=cfg.lr,
-                           chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed)
+        kw = dict(tree=cfg.trainer == "tree", lr=cfg.lr, chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed,
+                  attention_backend=cfg.attention_backend)
+        weights = str(self.out / "weights")
+        self.trainer = Trainer.remote(self.hf_config, weights, **kw) if ray_ else Trainer(self.hf_config, weights, **kw)
         path, stats = _get(_call(self.trainer, "export", "v0", use_ray=ray_), ray_)
         logger.info("initial weights v0 exported to %s (%.2f s)", path, stats.get("seconds", float("nan")))
         urls = list(cfg.engine_urls)
@@ -173,7 +180,7 @@ class RLLoop:
             from .engines import start_engine
             for i in range(cfg.num_engines):
                 srv = start_engine(cfg.engine, path, log_path=str(self.out / f"engine{i}.log"),
-                                   extra_args=list(cfg.engine_args), weight_version="v0")
+                                   extra_args=list(cfg.engine_args), weight_version="v0", env=dict(cfg.engine_env))
                 self.servers.append(srv)
                 urls.append(srv.url)
         else:
@@ -191,9 +198,10 @@ class RLLoop:
         return time.perf_counter() - t0
 
     def close(self):
-        for s in self.servers:
-            s.stop()
-        self.servers = []
+        if not self.cfg.keep_engines:
+            for s in self.servers:
+                s.stop()
+            self.servers = []
         if self.cfg.use_ray:
             import ray
             ray.shutdown()
@@ -220,6 +228,8 @@ class RLLoop:
         stats["rollout_s"] = max(r.stats["rollout_s"] for r in results)
         stats["reward_mean"] = float(np.mean([t.reward for t in trajs])) if trajs else float("nan")
         stats["weight_versions"] = sorted({v for r in results for v in r.stats["weight_versions"]})
+        trees = trees_from_trajectories(trajs) if trajs else []
+        stats["data_compression"] = (sum(t.num_trajectory_tokens for t in trees) / max(1, sum(t.num_tokens for t in trees)))
         return trajs, failed, stats
 
     def run(self) -> list[dict]:
@@ -247,6 +257,7 @@ class RLLoop:
                 row = {"step": step, "engine": cfg.engine, "trainer": cfg.trainer, "rollout_s": rs["rollout_s"],
                        "train_s": m["train_s"], "sync_s": export_s + push_s, "sync_export_s": export_s,
                        "sync_push_s": push_s, "sync_bytes": ws.get("bytes"), "compression": m["compression"],
+                       "data_compression": rs["data_compression"],
                        "reward_mean": rs["reward_mean"], "logprob_mismatch_max": m.get("logprob_mismatch_max"),
                        "logprob_mismatch_mean": m.get("logprob_mismatch_mean"),
                        "logprob_mismatch_p99": m.get("logprob_mismatch_p99"), "loss": m["loss"],

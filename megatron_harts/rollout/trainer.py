@@ -39,11 +39,12 @@ class HartsTrainer:
     target compact tokens per microbatch (the step is split into at least that many, at most one
     tree a microbatch); ``loss``: :func:`~megatron_harts.rl.policy_loss` keyword arguments.
     ``device="cuda"`` trains in fp32 parameters on one GPU (the loop's small models), CPU through
-    ``cpu_shim``."""
+    ``cpu_shim``; ``attention_backend``: the tree attention kernel (``auto``, ``torch``, ``flex``;
+    see ``ops.attention``), the same for tree and trajectory packs."""
 
     def __init__(self, hf_config: dict, *, tree: bool = True, lr: float = 1e-3, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, chunk_size: int = 16, microbatch_tokens: int = 1 << 16,
-                 device: str = "cpu", seed: int = 0, loss: dict | None = None):
+                 device: str = "cpu", seed: int = 0, loss: dict | None = None, attention_backend: str = "auto"):
         self.hf_config, self.tree, self.chunk_size = dict(hf_config), tree, chunk_size
         self.microbatch_tokens, self.grad_clip, self.device = microbatch_tokens, grad_clip, device
         self.loss_kwargs = dict(loss_type="grpo", loss_agg_mode="token-mean", **(loss or {}))
@@ -63,6 +64,11 @@ class HartsTrainer:
         self.model = convert.build_megatron_model(self.args, tree=True)
         if device != "cpu":
             self.model = self.model.cuda()
+        if attention_backend != "auto":      # e.g. "torch" (SDPA, dense ancestor mask) for small packs on
+            from ..megatron.layers import TreeCoreAttention   # a GPU: no FlexAttention compile per new length
+            for m in self.model.modules():
+                if isinstance(m, TreeCoreAttention):
+                    m.tree_attention_backend = attention_backend
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         self.step = 0
         logger.info("trainer: %s HybridModel %r, %.2fM params, %s", "tree-packed" if tree else "trajectory-wise",
