@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import shlex
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
             loop = RLLoop(cfg)
             rows = loop.run()
             runs[trainer] = {"rows": rows, "wall_s": time.perf_counter() - t0}
+            shutil.rmtree(out / trainer / "weights", ignore_errors=True)     # checkpoints: not results
             if not urls:
                 servers = loop.servers
                 urls = [s.url for s in servers]
