@@ -25,6 +25,35 @@ from megatron_harts.rollout.agent_loop import RolloutConfig
 from megatron_harts.rollout.loop import LoopConfig, RLLoop
 
 
+def same_batch_check(path: Path, cfg: LoopConfig) -> dict:
+    """Tree-packed and trajectory-wise trainers, same seed, one step on the same real rollout batch
+    (a step of the run, from its JSONL): losses, gradient norms, and the largest difference of
+    their log-probs after the step (same weights before it: the step's update must agree)."""
+    import numpy as np
+
+    from megatron_harts.rollout.trainer import HartsTrainer
+    from megatron_harts.rollout.weight_sync import model_config
+    from megatron_harts.tree import read_jsonl
+
+    trajs = read_jsonl(path)
+    kw = dict(lr=cfg.lr, chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed,
+              attention_backend=cfg.attention_backend)
+    out = {"batch": str(path), "trajectories": len(trajs)}
+    lps = {}
+    for name in ("tree", "traj"):
+        t = HartsTrainer(model_config(cfg.model), tree=name == "tree", **kw)
+        before = t.logprobs(trajs)
+        m = t.train_step(trajs)
+        lps[name] = (before, t.logprobs(trajs))
+        out[name] = {k: m[k] for k in ("loss", "grad_norm", "nll", "compression", "train_s", "fwd_bwd_s")}
+        del t
+    diff = lambda a, b: max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+    out["logprob_max_abs_diff_before"] = diff(lps["tree"][0], lps["traj"][0])
+    out["logprob_max_abs_diff_after"] = diff(lps["tree"][1], lps["traj"][1])
+    out["update_max_abs"] = diff(lps["traj"][1], lps["traj"][0])
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/rl")
@@ -41,6 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-backend", default="torch")
     ap.add_argument("--engine", default="sglang", help="embedded + --device cpu: a dry run of this script on CPU")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--weights-dir", default="/dev/shm/harts_rl", help="checkpoints (RAM disk: no disk write)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     out = Path(a.out)
@@ -55,12 +85,13 @@ def main(argv=None) -> int:
     runs, servers, urls = {}, [], []
     try:
         for trainer in a.trainers.split(","):
-            cfg = replace(base, trainer=trainer, out=str(out / trainer), engine_urls=list(urls), keep_engines=True)
+            cfg = replace(base, trainer=trainer, out=str(out / trainer), engine_urls=list(urls), keep_engines=True,
+                          weights_dir=a.weights_dir and f"{a.weights_dir}/{trainer}")
             t0 = time.perf_counter()
             loop = RLLoop(cfg)
             rows = loop.run()
             runs[trainer] = {"rows": rows, "wall_s": time.perf_counter() - t0}
-            shutil.rmtree(out / trainer / "weights", ignore_errors=True)     # checkpoints: not results
+            shutil.rmtree(cfg.weights_dir or out / trainer / "weights", ignore_errors=True)   # not results
             if not urls:
                 servers = loop.servers
                 urls = [s.url for s in servers]
@@ -70,6 +101,14 @@ def main(argv=None) -> int:
     finally:
         for s in servers:
             s.stop()
+    first = a.trainers.split(",")[0]
+    step = max(runs[first]["rows"], key=lambda r: r["grad_norm"])["step"] if first in runs else -1
+    last = out / first / "rollouts" / f"step_{step:04d}.jsonl"      # the step with the largest update
+    if last.exists():
+        check = same_batch_check(last, base)
+        json.dump({"config": json.loads(json.dumps(vars(a))), "runs": runs, "same_batch": check},
+                  open(out / "rollout.json", "w"), indent=1, default=str)
+        print("same batch, tree vs trajectory-wise:", json.dumps(check))
     for name, r in runs.items():
         rows = r["rows"]
         print(f"{name}: reward {rows[0]['reward_mean']:.3f} -> {rows[-1]['reward_mean']:.3f}, compression "

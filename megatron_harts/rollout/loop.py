@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..tree import trees_from_trajectories
+from ..tree import trees_from_trajectories, write_jsonl
 from .agent_loop import AgentLoop, RolloutConfig
 from .tokenizer import ByteTokenizer
 
@@ -46,7 +46,10 @@ class LoopConfig:
     :func:`~.weight_sync.model_config` or a path to a config.json; ``out``: run directory
     (checkpoints, engine logs, ``rollout.json`` rows); ``engine_env``: environment of started
     servers (e.g. SGLang's ``PYTHONPATH``); ``keep_engines``: leave started servers running after
-    ``run()`` (in ``RLLoop.servers``, for a next run on the same engines)."""
+    ``run()`` (in ``RLLoop.servers``, for a next run on the same engines); ``weights_dir``: where
+    checkpoints are written (default ``<out>/weights``; a RAM disk such as ``/dev/shm`` saves the
+    disk write); ``save_rollouts``: each step's trajectories as ``<out>/rollouts/step_NNNN.jsonl``
+    (the trajectory JSONL format, readable by ``megatron_harts.tree.read_jsonl``)."""
 
     steps: int = 2
     engine: str = "embedded"
@@ -69,6 +72,8 @@ class LoopConfig:
     use_ray: bool = False
     out: str = "out/rl"
     sft_warmup_steps: int = 0
+    weights_dir: str | None = None
+    save_rollouts: bool = True
 
 
 class RolloutWorker:
@@ -171,7 +176,7 @@ class RLLoop:
         Trainer = _remote(TrainerWorker, ray_, num_cpus=0, num_gpus=1 if cfg.device == "cuda" and ray_ else 0)
         kw = dict(tree=cfg.trainer == "tree", lr=cfg.lr, chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed,
                   attention_backend=cfg.attention_backend)
-        weights = str(self.out / "weights")
+        weights = cfg.weights_dir or str(self.out / "weights")
         self.trainer = Trainer.remote(self.hf_config, weights, **kw) if ray_ else Trainer(self.hf_config, weights, **kw)
         path, stats = _get(_call(self.trainer, "export", "v0", use_ray=ray_), ray_)
         logger.info("initial weights v0 exported to %s (%.2f s)", path, stats.get("seconds", float("nan")))
@@ -240,7 +245,7 @@ class RLLoop:
                 tasks, gids = self._tasks(1_000_000 + w, cfg.tasks_per_step * cfg.rollout.group_size)
                 demos = _get(_call(self.workers[0], "demonstrations", tasks, gids, use_ray=ray_), ray_)
                 m = _get(_call(self.trainer, "train_step", demos, use_ray=ray_), ray_)
-                logger.info("warm-up %d/%d: loss %.4f", w + 1, cfg.sft_warmup_steps, m["loss"])
+                logger.info("warm-up %d/%d: nll %.4f", w + 1, cfg.sft_warmup_steps, m["nll"])
             if cfg.sft_warmup_steps:
                 path, _ = _get(_call(self.trainer, "export", "v0w", use_ray=ray_), ray_)
                 self._push(path, "v0w")
@@ -248,6 +253,9 @@ class RLLoop:
                 trajs, failed, rs = self._rollout(step)
                 if not trajs:
                     raise RuntimeError(f"step {step}: every episode failed ({failed[:3]})")
+                if cfg.save_rollouts:
+                    (self.out / "rollouts").mkdir(exist_ok=True)
+                    write_jsonl(self.out / "rollouts" / f"step_{step:04d}.jsonl", trajs)
                 m = _get(_call(self.trainer, "train_step", trajs, use_ray=ray_), ray_)
                 version = f"v{step + 1}"
                 t0 = time.perf_counter()
@@ -261,7 +269,7 @@ class RLLoop:
                        "reward_mean": rs["reward_mean"], "logprob_mismatch_max": m.get("logprob_mismatch_max"),
                        "logprob_mismatch_mean": m.get("logprob_mismatch_mean"),
                        "logprob_mismatch_p99": m.get("logprob_mismatch_p99"), "loss": m["loss"],
-                       "grad_norm": m["grad_norm"], "trajectories": rs["trajectories"], "failed": rs["failed"],
+                       "grad_norm": m["grad_norm"], "nll": m["nll"], "trajectories": rs["trajectories"], "failed": rs["failed"],
                        "generated_tokens": rs["generated_tokens"], "trajectory_tokens": rs["trajectory_tokens"],
                        "packed_tokens": m["packed_tokens"], "rollout_weight_versions": rs["weight_versions"]}
                 self.rows.append(row)

@@ -61,6 +61,7 @@ class HartsTrainer:
         else:
             from ..megatron.gpu import init_single_gpu
             init_single_gpu(seed)
+        torch.manual_seed(seed)        # weights are initialised on the host (use_cpu_initialization)
         self.model = convert.build_megatron_model(self.args, tree=True)
         if device != "cpu":
             self.model = self.model.cuda()
@@ -109,14 +110,15 @@ class HartsTrainer:
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict:
         """One optimizer step on ``trajectories`` (needs ``loss_mask`` and ``advantage``; with
         ``old_logprobs`` the mismatch statistics are measured). Returns metrics: loss, grad_norm,
-        compression (trajectory / compact tokens), pack_s, fwd_bwd_s, optim_s, train_s, and
+        compression (trajectory / compact tokens), ``nll`` (mean negative log-prob of the trained tokens
+        before the update), pack_s, fwd_bwd_s, optim_s, train_s, and
         ``logprob_mismatch_{max,mean,p99}`` (nats, |trainer - engine| over generated tokens)."""
         t0 = time.perf_counter()
         self.model.train()
         mbs = self._microbatches(trajectories)
         t_pack = time.perf_counter() - t0
         self.opt.zero_grad(set_to_none=True)
-        diffs, loss_sum, traj_tok, compact = [], 0.0, 0, 0
+        diffs, loss_sum, lp_sum, traj_tok, compact = [], 0.0, 0.0, 0, 0
         for mb in mbs:
             mb = mb.to(self._param_device)
             logits = self._forward(mb)
@@ -126,8 +128,9 @@ class HartsTrainer:
                                   global_num_sequences=n.num_sequences, global_max_len=n.max_len, **self.loss_kwargs)
             loss.backward()              # each microbatch's loss is its share of the global loss
             loss_sum += float(loss.detach())
+            lp = torch.cat([x.detach().float() for x in logprobs])
+            lp_sum += float(lp[mb.rl.loss_mask].sum())
             if mb.rl.old_logprobs is not None:
-                lp = torch.cat([x.detach().float() for x in logprobs])
                 diffs.append((lp - mb.rl.old_logprobs)[mb.rl.loss_mask].abs().cpu())
             traj_tok += mb.pack.num_trajectory_tokens
             compact += mb.pack.num_tokens
@@ -142,6 +145,7 @@ class HartsTrainer:
         self.step += 1
         d = torch.cat(diffs) if diffs else torch.zeros(0)
         out = {"loss": loss_sum, "grad_norm": grad_norm, "microbatches": len(mbs),
+               "nll": -lp_sum / max(1, mbs[0].norms.num_tokens),
                "compression": traj_tok / max(compact, 1), "trajectory_tokens": traj_tok, "packed_tokens": compact,
                "pack_s": t_pack, "fwd_bwd_s": t_fb, "optim_s": t_all - t_pack - t_fb, "train_s": t_all}
         if d.numel():

@@ -55,6 +55,8 @@ def parse_turn(text: str) -> Turn:
     bad = [s for s in SPECIALS if s in command]
     if bad:
         return Turn("malformed", f"markup token {bad[0]} inside the command")
+    if "\x00" in command:                       # sampled byte 0: no shell command can hold it
+        return Turn("malformed", "NUL byte inside the command")
     return Turn("call", command.strip())
 
 
