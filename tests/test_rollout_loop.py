@@ -143,3 +143,29 @@ def test_tree_and_trajectory_trainers_take_the_same_step(trainer_and_engine, tmp
     finally:
         for w in ws:
             w.trainer.close()
+
+
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "traj"])
+def test_step_moves_policy_along_the_advantage(tree):
+    """One on-policy step raises the log-probs of the positive-advantage trajectories' generated
+    tokens and lowers the negative ones' (the sign of the whole trainer path; a shared prompt, so
+    the tree pack has a branch point)."""
+    from megatron_harts.rollout.trainer import HartsTrainer
+    from megatron_harts.tree import make_trajectory
+
+    t = HartsTrainer(model_config("tiny"), tree=tree, lr=1e-3, chunk_size=8, seed=0)
+    try:
+        rng = np.random.default_rng(0)
+        prompt = [1] + [int(x) for x in rng.integers(8, 264, 10)]
+        trajs = [make_trajectory(i, prompt + [int(x) for x in rng.integers(8, 264, 5)], traj_id=f"t{i}",
+                                 group_id="g", loss_mask=[0] * len(prompt) + [1] * 5,
+                                 advantage=1.0 if i < 4 else -1.0) for i in range(8)]
+        before = t.logprobs(trajs)
+        for tr, lp in zip(trajs, before):
+            tr.old_logprobs = np.concatenate([[0.0], lp]).astype(np.float32)
+        m = t.train_step(trajs)
+        assert m["logprob_mismatch_max"] < 1e-5 and (m["compression"] > 1.0) == tree
+        moved = [float((b - a)[-5:].sum()) for a, b in zip(before, t.logprobs(trajs))]
+        assert all(d > 0.1 for d in moved[:4]) and all(d < -0.1 for d in moved[4:]), moved
+    finally:
+        t.close()

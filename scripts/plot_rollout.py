@@ -1,0 +1,40 @@
+"""Plot an RL-loop result (``scripts/gpu_rl.py``'s rollout.json, or one run's ``<out>/rollout.json``):
+reward, train step seconds and compression per step, one line per trainer.
+
+    python scripts/plot_rollout.py docs/benchmarks/rollout.json docs/benchmarks/rollout.png
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(argv=None) -> int:
+    src, dst = (argv or sys.argv[1:])[:2]
+    d = json.load(open(src))
+    runs = d["runs"] if "runs" in d else {d["rows"][0]["trainer"]: {"rows": d["rows"]}}
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
+    panels = [("reward_mean", "reward (mean over trajectories)"), ("train_s", "train step (s)"),
+              ("sync_s", "weight sync: export + push (s)"), ("data_compression", "rollout trees' compression (x)")]
+    for ax, (key, title) in zip(axes, panels):
+        for name, r in runs.items():
+            rows = r["rows"]
+            label = {"tree": "HARTS (tree-packed)", "traj": "trajectory-wise"}.get(name, name)
+            ax.plot([x["step"] for x in rows], [x.get(key) for x in rows], marker=".", label=label)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+    print(f"wrote {dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
