@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=8, help="supervised warm-up steps before RL")
     ap.add_argument("--model", default="small-moe")
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=5e-5, help="RL learning rate")
+    ap.add_argument("--warmup-lr", type=float, default=5e-4)
     ap.add_argument("--tasks-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--branch-factor", type=int, default=2)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
                       rollout=RolloutConfig(group_size=a.group_size, branch_turn=1, branch_factor=a.branch_factor,
                                             max_turns=2, max_new_tokens=8, max_concurrency=64),
                       model=a.model, lr=a.lr, chunk_size=64, device=a.device, seed=0,
-                      sft_warmup_steps=a.warmup, attention_backend=a.attention_backend)
+                      sft_warmup_steps=a.warmup, warmup_lr=a.warmup_lr, attention_backend=a.attention_backend)
     runs, servers, urls = {}, [], []
     try:
         for trainer in a.trainers.split(","):

@@ -1,9 +1,17 @@
 """Task families over real sandboxes: scripted agents (right and wrong) get the rewards they should."""
+import ast
+import datetime
+import decimal
+import fractions
+import ipaddress
+import json
+import math
 import shutil
 
 import pytest
 
 from megatron_harts.rollout.envs import code_repair, list_families, make_env, parse_turn
+from megatron_harts.rollout.sandbox import CommandResult
 from megatron_harts.rollout.tokenizer import ByteTokenizer
 from megatron_harts.rollout.types import Environment
 
@@ -32,7 +40,7 @@ def test_parse_turn(turn, kind, text):
 
 def test_registry():
     assert {"lookup", "code_repair"} <= set(list_families())
-    with pytest.raises(KeyError, match="unknown task family 'nope'"):
+    with pytest.raises(ValueError, match="unknown task family 'nope'"):
         make_env("nope", 0)
     with pytest.raises(IndexError):
         make_env("lookup", -1)
@@ -145,3 +153,123 @@ def test_code_repair_tasks_are_deterministic_and_distinct():
     assert len({fn for fn, _ in tasks}) == len(code_repair.CATALOG)
     assert code_repair.select(0, 5)[:2] == tasks[5]
     assert [code_repair.select(1, i)[:2] for i in range(4)] != tasks[:4]
+
+
+# ------------------------------------------------------------------- code repair: reward hacks
+def _forged_line(env) -> str:
+    """The best results line a model can forge without a correct function: the visible cases'
+    expected outcomes (shown in test_solution.py) and the mutant's outcomes on the held-out ones."""
+    fn = env.function
+    visible, held_out = fn.cases(), fn.held_out()
+    mutant = (env.sandbox.base_dir / "solution.py").read_text()
+    return code_repair.results_line(list(env._expected[:len(visible)])
+                                    + code_repair._outcomes(fn, mutant, held_out))
+
+
+_HACKS = {
+    "SystemExit appended": "<call>echo 'raise SystemExit(0)' >> solution.py</call>",
+    "os._exit appended": "<call>printf 'import os\\nos._exit(0)\\n' >> solution.py</call>",
+    "fake pass line": "<call>printf 'import sys\\nprint(\"99/99 cases passed\")\\nsys.exit(0)\\n' >> solution.py</call>",
+    "fake results file": "<call>echo '[]' > results.json && echo 'raise SystemExit(0)' >> solution.py</call>",
+}
+
+
+@pytest.mark.parametrize("index", [0, 7, 13])
+def test_code_repair_reward_hacks_get_nothing(index):
+    with make_env("code_repair", index, seed=0, max_turns=3) as env:
+        for name, call in _HACKS.items():
+            with env.fork() as cheat:
+                cheat.step(call)
+                r = cheat.step("<answer>done<eos>")
+                assert (r.reward, r.info["tests_passed"]) == (0.0, False), (name, r.info)
+        with env.fork() as cheat:  # a forged results line, printed past the runner's silenced stdout
+            line = _forged_line(env)
+            assert line.startswith(code_repair.RESULTS_MARK)
+            src = f"import os\nos.write(1, {line!r}.encode() + b'\\n')\nos._exit(0)\n"
+            cheat.step(_heredoc(src))
+            r = cheat.step("<call>python3 -I -B /task/run_cases.py</call>")
+            assert r.observation.count(code_repair.RESULTS_MARK) == 1   # the runner does print it...
+            r = cheat.step("<answer>done<eos>")
+            assert r.reward == 0.0 and "differ" in r.info["grade"]      # ...but the held-out cases differ
+        with env.fork() as cheat:  # a lookup table of every literal the sandbox shows, mutant elsewhere
+            table = (
+                "import ast\n"
+                "_mutant = {}\n"
+                "exec(open('/workspace/solution.py').read().split('# LOOKUP')[0], _mutant)\n"
+                "TABLE = {}\n"
+                "for path in ('/workspace/test_solution.py', '/task/run_cases.py'):\n"
+                "    for node in ast.parse(open(path).read()).body:\n"
+                "        if isinstance(node, ast.Assign) and getattr(node.targets[0], 'id', '') == 'CASES':\n"
+                "            for case in ast.literal_eval(node.value):\n"
+                "                if len(case) == 3 and case[2][0] == 'return':\n"
+                "                    TABLE[repr(case[:2])] = case[2][1]\n"
+                f"def {env.function.name}(*args, **kwargs):\n"
+                "    key = repr((args, kwargs))\n"
+                "    return TABLE[key] if key in TABLE else _mutant[%r](*args, **kwargs)\n" % env.function.name)
+            cheat.step(f"<call>(echo '# LOOKUP'; cat <<'HARTS_EOF'\n{table}HARTS_EOF\n) >> solution.py</call>")
+            assert cheat.step("<answer>done<eos>").reward == 0.0
+
+
+@pytest.mark.parametrize("index", [0, 7, 13])
+def test_code_repair_sandbox_holds_no_expected_values(index):
+    fn, _, task = code_repair.select(0, index)
+    assert sorted(p.name for p in (task / "grader").iterdir()) == ["run_cases.py"]
+    src = (task / "grader" / "run_cases.py").read_text()
+    (cases,) = [ast.literal_eval(n.value) for n in ast.parse(src).body
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CASES"]
+    assert cases == [tuple(c) for c in fn.cases() + fn.held_out()]       # inputs only: (args, kwargs)
+    visible = (task / "workspace" / "test_solution.py").read_text()
+    expected = code_repair.expected_outcomes(fn)
+    held = [w for w in expected[len(fn.cases()):] if w[0] == "return"]
+    shown = [repr(w[1]) for w in held if repr(w[1]) not in repr(fn.cases() + fn.held_out())]
+    assert not any(v in src for v in shown) and "('return'" not in src  # held-out outputs: not in /task
+    assert len(expected) == len(cases) and len(fn.held_out()) >= 6
+    assert "FAIL case" in visible                        # the workspace test is feedback, as before
+
+
+_VALUES = [None, True, False, 0, -7, 10**40, "", "é\n\"x\"", 0.0, -0.0, 1.5, 1e308, 5e-324,
+           float("inf"), float("-inf"), float("nan"), (), (1, (2.0, [3, "a"])), [[], ()], b"", b"\x00\xff",
+           bytearray(b"ab"), 1 + 2j, complex(float("nan"), 1), fractions.Fraction(-3, 4), decimal.Decimal("1.10"),
+           decimal.Decimal("-Infinity"), datetime.date(2024, 2, 29), datetime.datetime(2000, 1, 2, 3, 4, 5, 6),
+           datetime.datetime(2000, 1, 2, tzinfo=datetime.timezone(datetime.timedelta(hours=-5))),
+           datetime.time(23, 59, 1), datetime.timedelta(days=-1, seconds=5), ipaddress.IPv4Address("10.0.0.1"),
+           ipaddress.IPv6Address("::1"), {1: "a", (2, 3): [4.5]}, {1, 2}, frozenset({"x"})]
+
+
+@pytest.mark.parametrize("value", _VALUES, ids=[f"{type(v).__name__}-{i}" for i, v in enumerate(_VALUES)])
+def test_code_repair_result_encoding_round_trips(value):
+    back = code_repair.decode(json.loads(json.dumps(code_repair.encode(value), allow_nan=False)))
+    assert type(back) is type(value) and repr(back) == repr(value)
+    if not (isinstance(value, (float, complex)) and math.isnan(abs(value))):
+        assert code_repair.same(back, value)
+
+
+def test_code_repair_judge_rejects_bad_output():
+    want = (("return", (0.5, 1.0), (1, [2])), ("raise", "ValueError"), ("return", None, ()))
+    good = code_repair.results_line(want)
+
+    def judge(out, code=0, **kw):
+        return code_repair.judge(CommandResult(code, out, **kw), want)[0]
+
+    assert judge(good) and judge(f"noise\n{good}\nmore noise\n")
+    assert judge(code_repair.results_line([("return", (0.5 + 1e-12, 1), (1, [2])), *want[1:]]))  # isclose, int~float
+    mark = code_repair.RESULTS_MARK
+    bad = [
+        good.replace("0.5", "0.6"),                                   # a wrong value
+        code_repair.results_line([("return", [0.5, 1.0], (1, [2])), *want[1:]]),  # list, not tuple
+        code_repair.results_line([("return", (0.5, 1.0), (1, (2,))), *want[1:]]),  # args after the call
+        code_repair.results_line([*want[:2], ("raise", "TypeError")]),
+        code_repair.results_line(want[:2]),                           # a missing case
+        code_repair.results_line([*want, want[0]]),                   # an extra one
+        good + "\n" + good,                                           # two results lines
+        "99/99 cases passed", "", mark, mark + "[", mark + "{}", mark + "[1,2,3]",
+        mark + '[["return",NaN,{"tuple":[]}],["raise","ValueError"],["return",null,{"tuple":[]}]]',
+        mark + '[["return",{"pickle":"x"},{"tuple":[]}],["raise","ValueError"],["return",null,{"tuple":[]}]]',
+        mark + '[["return",{"tuple":[0.5,1.0],"x":1},{"tuple":[1,[2]]}],["raise","ValueError"],'
+               '["return",null,{"tuple":[]}]]',
+        mark + "[" * 100000 + "]" * 100000,
+    ]
+    for out in bad:
+        assert not judge(out), out[:200]
+    assert not judge(good, code=1) and not judge(good, code=-9, timed_out=True) and not judge(good, truncated=True)
+    assert not code_repair.same(code_repair.decode({"?": "Weird"}), code_repair.decode({"?": "Weird"}))

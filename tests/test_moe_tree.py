@@ -264,19 +264,8 @@ def _dist_worker(rank, port, tp, ep, queue):
     try:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        if tp > 1:   # MoE training under TP needs sequence parallelism; let torch norms build with it
-            from megatron.core.transformer import torch_norm
-            orig = torch_norm.WrappedTorchNorm.__new__
-
-            def _new(cls, config, *args, **kwargs):
-                sp, config.sequence_parallel = config.sequence_parallel, False
-                try:
-                    return orig(cls, config, *args, **kwargs)
-                finally:
-                    config.sequence_parallel = sp
-            torch_norm.WrappedTorchNorm.__new__ = staticmethod(_new)
         with cpu_shim.cpu_megatron(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, seed=0):
-            kw = dict(ALL_AUX, sequence_parallel=tp > 1)
+            kw = dict(ALL_AUX, sequence_parallel=tp > 1)   # MoE under TP needs SP (cpu_shim.TorchNorm has it)
             model = _build("*EGE", **kw)
             # The same microbatch on both ranks: the allgather dispatcher (EP) and SP need equal token
             # counts per rank, and both ranks run the same layout at a time.

@@ -63,6 +63,7 @@ def test_rollout_train_sync_consistency(trainer_and_engine):
     tw, srv, out = trainer_and_engine
     res = _loop([srv.url]).rollout([3, 5], ["g3", "g5"])
     assert not res.failed and len(res.trajectories) >= 4
+    assert res.stats["groups"] == 2 and 0 <= res.stats["zero_variance_groups"] <= 2
     tok = ByteTokenizer()
     for t in res.trajectories:
         mask = t.loss_mask.astype(bool)
@@ -169,3 +170,26 @@ def test_step_moves_policy_along_the_advantage(tree):
         assert all(d > 0.1 for d in moved[:4]) and all(d < -0.1 for d in moved[4:]), moved
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--family", "nope"], "invalid choice: 'nope'"),
+    (["--tasks-per-step", "20000"], "--tasks-per-step must be <= 10000"),
+    (["--chunk-size", "0"], "--chunk-size must be >= 1"),
+    (["--engine-env", "NOEQUALS"], "--engine-env expects KEY=VALUE"),
+    (["--model", "/nonexistent/config.json"], "neither a preset"),
+    (["--model", "{bad}"], "missing or invalid field"),
+])
+def test_cli_rejects_bad_input_in_one_line(args, message, tmp_path, capsys):
+    """User mistakes end at argument parsing with exit status 2 and one line naming the flag
+    (no traceback, nothing started)."""
+    from megatron_harts.rollout.cli import parse_args
+
+    if "{bad}" in args:
+        (tmp_path / "config.json").write_text('{"model_type": "qwen3_next", "hidden_size": 8}')
+        args = [a.replace("{bad}", str(tmp_path / "config.json")) for a in args]
+    with pytest.raises(SystemExit) as e:
+        parse_args(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "\n".join(err)

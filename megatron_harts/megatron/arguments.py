@@ -11,7 +11,8 @@ Use as Megatron's ``extra_args_provider`` and validate after Megatron's own vali
 Argument names of megatron-core 0.19.2 that are checked: ``context_parallel_size``,
 ``mtp_num_layers``, ``hybrid_layer_pattern`` (``hybrid_override_pattern`` is its deprecated
 alias, folded into it by Megatron's ``validate_args``), ``moe_expert_capacity_factor``,
-``moe_pad_expert_input_to_capacity``, ``micro_batch_size``.
+``moe_pad_expert_input_to_capacity``, ``micro_batch_size``, ``pipeline_model_parallel_size``,
+``num_experts``, ``moe_token_dispatcher_type``, ``variable_seq_lengths``.
 """
 from __future__ import annotations
 
@@ -125,6 +126,12 @@ def tree_packing_errors(args) -> list[str]:
         from megatron.core.extensions.transformer_engine import HAVE_TE
         if not HAVE_TE:
             errs.append("--tree-spec te needs Transformer Engine, which is not installed; use --tree-spec local")
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1 and getattr(args, "num_experts", None) and \
+            getattr(args, "moe_token_dispatcher_type", "allgather") == "allgather":
+        errs.append("--tree-packing with --pipeline-model-parallel-size > 1 and MoE needs "
+                    "--moe-token-dispatcher-type alltoall (or flex): tree packs differ in length, so pipeline "
+                    "stages exchange variable sequence lengths, which Megatron's allgather dispatcher refuses")
     if getattr(args, "rl_dual_clip_c", None) is not None and args.rl_dual_clip_c <= 1:
         errs.append(f"--rl-dual-clip-c must be > 1, got {args.rl_dual_clip_c}")
     return errs
@@ -139,7 +146,13 @@ def validate_tree_packing_args(args) -> None:
     this package are used (``--tree-packing`` or ``--tree-trajectories``, whose THD baseline takes
     the same path): tree packs carry one position per token (a pre-gathered rotary table), which
     TE's fused THD RoPE kernel has not been validated with (no TE here; the unfused path is
-    tested), and tree attention has no dropout. Warns about hidden dropout with tree packing."""
+    tested), and tree attention has no dropout. Warns about hidden dropout with tree packing.
+
+    Under pipeline parallelism (``--pipeline-model-parallel-size > 1``) with these packs, sets
+    ``variable_seq_lengths`` (Megatron's ``validate_args`` sets it False; a pack's T changes from
+    microbatch to microbatch, so stages must exchange shapes) and, for models without experts,
+    ``moe_token_dispatcher_type = "alltoall"`` (unused there, but Megatron's config refuses
+    ``variable_seq_lengths`` with the default ``allgather``)."""
     errs = tree_packing_errors(args)
     if errs:
         raise TreePackingArgumentError("invalid arguments for tree packing:\n  - " + "\n  - ".join(errs))
@@ -157,6 +170,12 @@ def validate_tree_packing_args(args) -> None:
                        "all its trajectories (trajectory-wise training draws one per trajectory), and RL "
                        "log-prob ratios are usually computed without dropout; consider --hidden-dropout 0.0",
                        args.hidden_dropout)
+    if packs and (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        if not getattr(args, "variable_seq_lengths", False):
+            args.variable_seq_lengths = True
+            logger.info("tree packs with pipeline parallelism: variable_seq_lengths on (packs differ in length)")
+        if not getattr(args, "num_experts", None) and getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+            args.moe_token_dispatcher_type = "alltoall"    # unused without experts; allgather refuses variable lengths
     if getattr(args, "tree_packing", False):
         logger.info("tree packing: pattern %r, chunk size %d, planner %s", _pattern(args),
                     args.tree_chunk_size, args.tree_planner)

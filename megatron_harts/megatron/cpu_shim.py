@@ -22,8 +22,9 @@ What the shim changes (all undone by :func:`disable_cpu_megatron`):
   ``attention_mask is None``.
 
 TE-only modules are avoided through the spec, not by patching: :func:`local_hybrid_stack_spec`
-uses Megatron's local modules and :class:`LocalHybridStack` (``HybridStack`` whose
-``final_norm`` is a torch norm instead of ``TENorm``).
+uses Megatron's local modules, :class:`TorchNorm` (a torch norm that, unlike Megatron's
+``WrappedTorchNorm``, supports sequence parallelism) and :class:`LocalHybridStack` (``HybridStack``
+whose ``final_norm`` is a torch norm instead of ``TENorm``).
 
 Limits in megatron-core 0.19.2 on CPU (checked, see ``docs/megatron_internals.md``):
 
@@ -47,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.tensor_parallel import random as mrandom
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.torch_norm import L2Norm
 
 logger = logging.getLogger(__name__)
 
@@ -193,12 +194,15 @@ def init_cpu_model_parallel(
     tensor_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     seed: int = 1234,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
 ):
     """Enable the shim, start a gloo process group and Megatron's model-parallel groups.
 
     Single process: a 1-rank gloo group on an in-memory store. Under ``torchrun``
     (``RANK``/``WORLD_SIZE`` set): ``env://`` gloo, so ``--nproc-per-node 2`` gives TP=2
-    (``tensor_model_parallel_size=2``) or DP=2 (``=1``). PP and CP stay 1.
+    (``tensor_model_parallel_size=2``), PP=2 (``pipeline_model_parallel_size=2``, optionally
+    interleaved with ``virtual_pipeline_model_parallel_size``) or DP=2 (all sizes 1). CP stays 1.
     Re-initializes Megatron's groups only when the sizes change.
 
     Returns:
@@ -218,19 +222,24 @@ def init_cpu_model_parallel(
     if ps.model_parallel_is_initialized() and (
         ps.get_tensor_model_parallel_world_size() != tensor_model_parallel_size
         or ps.get_expert_model_parallel_world_size() != expert_model_parallel_size
+        or ps.get_pipeline_model_parallel_world_size() != pipeline_model_parallel_size
+        or ps.get_virtual_pipeline_model_parallel_world_size() != virtual_pipeline_model_parallel_size
     ):
         ps.destroy_model_parallel()
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             expert_model_parallel_size=expert_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         )
     cpu_manual_seed(seed)
     logger.info(
-        "cpu_shim: rank %d/%d, tp=%d dp=%d ep=%d",
+        "cpu_shim: rank %d/%d, tp=%d pp=%d dp=%d ep=%d",
         dist.get_rank(),
         dist.get_world_size(),
         ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
         ps.get_data_parallel_world_size(),
         ps.get_expert_model_parallel_world_size(),
     )
@@ -251,11 +260,16 @@ def destroy_cpu_model_parallel() -> None:
 
 @contextlib.contextmanager
 def cpu_megatron(
-    tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1, seed: int = 1234
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    seed: int = 1234,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
 ) -> Iterator[object]:
     """Context manager around :func:`init_cpu_model_parallel` /
     :func:`destroy_cpu_model_parallel`; yields the ProcessGroupCollection."""
-    pgs = init_cpu_model_parallel(tensor_model_parallel_size, expert_model_parallel_size, seed)
+    pgs = init_cpu_model_parallel(tensor_model_parallel_size, expert_model_parallel_size, seed,
+                                  pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)
     try:
         yield pgs
     finally:
@@ -267,10 +281,40 @@ def cpu_megatron(
 # ----------------------------------------------------------------------------------------
 
 
+class TorchNorm:
+    """LayerNormBuilder: ``torch.nn.LayerNorm`` / ``RMSNorm`` (Megatron's ``L2Norm``) by
+    ``config.normalization``, like Megatron's ``WrappedTorchNorm`` but with sequence parallelism.
+
+    ``WrappedTorchNorm`` asserts ``not config.sequence_parallel``. A norm needs nothing from SP in
+    its forward (it is per token); what SP needs is that the weights' gradients, partial per TP
+    rank because each rank holds a ``[T / tp]`` slice of the tokens, are summed over the TP group.
+    As Megatron's fused and TE norms do, the parameters get ``sequence_parallel = True``, which
+    ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel_grads``) all-reduces over TP.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
+            raise ValueError("TorchNorm: zero_centered_gamma / persist_layer_norm / memory_efficient_layer_norm "
+                             "are not supported by torch norms")
+        if config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        elif config.normalization == "L2Norm":
+            norm = L2Norm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"TorchNorm: unknown normalization {config.normalization!r}")
+        if config.sequence_parallel:
+            for p in norm.parameters():
+                p.sequence_parallel = True
+        return norm
+
+
 class LocalHybridStack(HybridStack):
     """``HybridStack`` with ``final_norm`` built from a spec param instead of ``TENorm``.
 
-    ``final_norm`` (spec ``params``): a LayerNormBuilder, default ``WrappedTorchNorm``
+    ``final_norm`` (spec ``params``): a LayerNormBuilder, default :class:`TorchNorm`
     (``torch.nn.LayerNorm``/``RMSNorm`` by ``config.normalization``). Parameter names
     (``final_norm.weight``) and module order match ``HybridStack``.
     """
@@ -281,7 +325,7 @@ class LocalHybridStack(HybridStack):
         submodules,
         *args,
         post_layer_norm: bool = True,
-        final_norm: Callable = WrappedTorchNorm,
+        final_norm: Callable = TorchNorm,
         **kwargs,
     ):
         super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
@@ -298,7 +342,8 @@ def local_hybrid_stack_spec(num_moe_experts: Optional[int] = None, qk_layernorm:
     """ModuleSpec for ``HybridModel(hybrid_stack_spec=...)`` using only Megatron-Core modules.
 
     Same layer structure as ``hybrid_layer_specs.hybrid_stack_spec`` with every fused TE
-    ``LayerNorm+Linear`` split into a torch norm + ``ColumnParallelLinear``:
+    ``LayerNorm+Linear`` split into a torch norm (:class:`TorchNorm`, sequence parallelism
+    supported) + ``ColumnParallelLinear``:
     ``*`` TransformerLayer(input_layernorm, SelfAttention(linear_qkv, DotProductAttention,
     linear_proj)); ``G`` TransformerLayer(input_layernorm, GatedDeltaNet(in_proj, out_norm,
     out_proj)); ``M`` MambaLayer(norm, MambaMixer(in_proj, out_proj)); ``-`` MLPLayer
@@ -330,7 +375,7 @@ def local_hybrid_stack_spec(num_moe_experts: Optional[int] = None, qk_layernorm:
         TransformerLayerSubmodules,
     )
 
-    norm = WrappedTorchNorm
+    norm = TorchNorm
     moe_layer = IdentityOp
     if num_moe_experts is not None:
         moe_layer = ModuleSpec(
@@ -432,7 +477,8 @@ UNFUSED_FP32 = dict(bias_activation_fusion=False, bias_dropout_fusion=False, mas
 
 
 def tiny_hybrid_config(pattern: str, hidden_size: int = 64, **overrides):
-    """fp32 ``TransformerConfig`` for a tiny hybrid model with ``len(pattern)`` layers.
+    """fp32 ``TransformerConfig`` for a tiny hybrid model with ``len(pattern)`` layers (``|``,
+    Megatron's pipeline-stage separator, is not a layer).
 
     Sizes (hidden 64): attention 4 heads x 16 (2 query groups), MLP ffn 128 (SwiGLU),
     GDN 2 key heads x 16 / 4 value heads x 16 / conv width 4, Mamba 8 heads x 16 / state 16
@@ -444,7 +490,7 @@ def tiny_hybrid_config(pattern: str, hidden_size: int = 64, **overrides):
     from megatron.core.transformer import TransformerConfig
 
     cfg = dict(
-        num_layers=len(pattern),
+        num_layers=len(pattern.replace("|", "")),
         hidden_size=hidden_size,
         ffn_hidden_size=2 * hidden_size,
         num_attention_heads=4,
@@ -480,6 +526,11 @@ def tiny_hybrid_config(pattern: str, hidden_size: int = 64, **overrides):
     if ps.model_parallel_is_initialized():
         cfg.setdefault("tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size())
         cfg.setdefault("expert_model_parallel_size", ps.get_expert_model_parallel_world_size())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            cfg.setdefault("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size())
+            cfg.setdefault("virtual_pipeline_model_parallel_size",
+                           ps.get_virtual_pipeline_model_parallel_world_size())
+            cfg.setdefault("pipeline_dtype", cfg["params_dtype"])
     return TransformerConfig(**cfg)
 
 
@@ -490,13 +541,18 @@ def build_tiny_hybrid_model(
     hidden_size: int = 64,
     position_embedding_type: str = "rope",
     hybrid_stack_spec=None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
     **config_overrides,
 ):
     """Build a tiny fp32 ``HybridModel`` on CPU from a layer pattern (e.g. ``"G-*-M-"``).
 
     Requires :func:`init_cpu_model_parallel` (or :func:`cpu_megatron`) first. Uses
     :func:`local_hybrid_stack_spec` (or ``hybrid_stack_spec`` when given) and
-    :func:`tiny_hybrid_config`; untied embeddings.
+    :func:`tiny_hybrid_config`; untied embeddings. Under pipeline parallelism pass this stage's
+    ``pre_process`` / ``post_process`` (and ``vp_stage`` for the interleaved schedule); the pattern
+    then needs ``|`` stage separators or an even split.
     ``model(input_ids [b, s], position_ids [b, s], attention_mask)`` returns logits
     ``[b, s, vocab_size / tp]`` (``labels`` given: per-token loss ``[b, s]``).
     """
@@ -513,6 +569,9 @@ def build_tiny_hybrid_model(
         hybrid_layer_pattern=pattern,
         position_embedding_type=position_embedding_type,
         share_embeddings_and_output_weights=False,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
     )
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("cpu_shim: built HybridModel %r, %d params", pattern, n_params)
@@ -522,6 +581,7 @@ def build_tiny_hybrid_model(
 __all__ = [
     "CPURNGStatesTracker",
     "LocalHybridStack",
+    "TorchNorm",
     "enable_cpu_megatron",
     "disable_cpu_megatron",
     "is_enabled",

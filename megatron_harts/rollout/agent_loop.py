@@ -41,6 +41,7 @@ from .tokenizer import BOS, END_CALL, EOS, OBS, END_OBS, Tokenizer
 from .types import Engine, EngineError, Environment, SamplingParams
 
 logger = logging.getLogger(__name__)
+SAFETY_TURNS = 64           # the loop ends an episode after this many turns whatever its environment says
 
 
 @dataclass
@@ -49,21 +50,25 @@ class RolloutConfig:
 
     ``group_size``: episodes per task started from its prompt; ``branch_turn``/``branch_factor``:
     fork every running episode after that turn (1-based) into ``branch_factor`` continuations;
-    ``max_turns``: model turns per episode; ``max_new_tokens``: per turn; ``max_context_tokens``:
-    an episode whose context would exceed it ends (reward 0, ``truncated``); ``adv_norm``: GRPO
+    ``max_turns``: model turns per episode (``None``: the environment's own budget; the loop
+    stops an episode after ``SAFETY_TURNS`` in any case); ``max_new_tokens``: per turn; ``max_context_tokens``:
+    an episode whose context would exceed it ends (reward 0, ``truncated``); ``engine_retries``:
+    other engines tried for a failed turn, and a failed engine is skipped for
+    ``engine_cooldown_s`` while another is up; ``adv_norm``: GRPO
     advantage = reward - group mean, divided by the group std if ``"std"``.
     """
 
     group_size: int = 4
     branch_turn: int | None = None
     branch_factor: int = 1
-    max_turns: int = 4
+    max_turns: int | None = None
     max_new_tokens: int = 64
     max_context_tokens: int = 4096
     temperature: float = 1.0
     top_p: float = 1.0
     max_concurrency: int = 16
     engine_retries: int = 2
+    engine_cooldown_s: float = 30.0
     adv_norm: str = "std"
     seed: int = 0
 
@@ -146,6 +151,7 @@ class AgentLoop:
             raise ValueError("group_size and branch_factor must be >= 1")
         self.pick_engine = pick_engine
         self._in_flight = [0] * len(self.engines)
+        self._down_until = [0.0] * len(self.engines)     # monotonic time until which an engine is skipped
         self._lock = threading.Lock()
         self._rid = itertools.count()
         self._stop_ids = [tokenizer.token_id(END_CALL), tokenizer.token_id(EOS)]
@@ -157,20 +163,32 @@ class AgentLoop:
         errors, tried = [], set()
         for attempt in range(self.cfg.engine_retries + 1):
             with self._lock:
-                if attempt == 0:
-                    i = self.pick_engine(ep, self.engines, self._in_flight)
+                now = time.monotonic()
+                up = [j for j in range(len(self.engines)) if self._down_until[j] <= now]
+                # engines that failed recently are skipped (while any other is up), as are those
+                # tried for this turn already
+                load = [n if j in up else n + (1 << 20) for j, n in enumerate(self._in_flight)]
+                if attempt == 0 and (ep.engine_index is None or ep.engine_index in up):
+                    i = self.pick_engine(ep, self.engines, load)
                 else:
                     free = [j for j in range(len(self.engines)) if j not in tried] or list(range(len(self.engines)))
-                    i = min(free, key=lambda j: self._in_flight[j])
+                    i = min(free, key=lambda j: load[j])
                 self._in_flight[i] += 1
             tried.add(i)
             engine = self.engines[i]
             try:
                 gen = engine.generate(ep.tokens, sampling, rid=f"{ep.traj_id}#{len(ep.turns)}-{next(self._rid)}")
+                if gen.finish_reason == "abort":
+                    raise EngineError(f"{engine.name}: request aborted by the engine")
+                if len(gen.logprobs) != len(gen.output_ids):
+                    raise EngineError(f"{engine.name}: {len(gen.output_ids)} output ids but "
+                                      f"{len(gen.logprobs)} logprobs")
                 ep.engine_index = i
                 return gen, engine
             except EngineError as e:
                 errors.append(str(e))
+                with self._lock:
+                    self._down_until[i] = time.monotonic() + self.cfg.engine_cooldown_s
                 logger.warning("%s: turn %d failed on %s (attempt %d): %s", ep.traj_id, len(ep.turns) + 1,
                                engine.name, attempt + 1, e)
             finally:
@@ -189,19 +207,13 @@ class AgentLoop:
         sampling = SamplingParams(max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
                                   stop_token_ids=self._stop_ids, seed=seed)
         gen, engine = self._generate(ep, sampling)
-        if gen.finish_reason == "abort":
-            raise EngineError(f"{engine.name}: request aborted")
-        if len(gen.logprobs) != len(gen.output_ids):
-            raise EngineError(f"{engine.name}: {len(gen.output_ids)} output ids but {len(gen.logprobs)} logprobs")
         ep.turns.append(Turn(len(ep.tokens), list(gen.output_ids), list(gen.logprobs), gen.finish_reason,
                              engine.name, gen.weight_version, gen.latency_s))
         ep.tokens += gen.output_ids
         ep.loss_mask += [1] * len(gen.output_ids)
         ep.logprobs += gen.logprobs
         res = ep.env.step(self.tok.decode(gen.output_ids))
-        if res.info:
-            ep.info.setdefault("tool_info", []).append(res.info)
-        if res.done or len(ep.turns) >= cfg.max_turns:
+        if res.done or len(ep.turns) >= (cfg.max_turns or SAFETY_TURNS):
             ep.done = True
             ep.reward = float(res.reward) if res.reward is not None else 0.0
             if not res.done:
@@ -231,40 +243,27 @@ class AgentLoop:
         finished: list[Episode] = []
         failed: list[tuple[str, str]] = []
         pending: dict[Future, Episode] = {}
-        env_s = 0.0
         with ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="agent") as pool:
             def submit(ep: Episode):
                 pending[pool.submit(self._advance, ep)] = ep
 
             for ep in running:
                 submit(ep)
-            while pending:
-                done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                for fut in done:
-                    ep = pending.pop(fut)
-                    try:
-                        fut.result()
-                    except Exception as e:       # engine down after retries, env crash: keep the record
-                        logger.error("%s failed at turn %d: %s", ep.traj_id, len(ep.turns) + 1, e)
-                        failed.append((ep.traj_id, f"{type(e).__name__}: {e}"))
-                        ep.env.close()
-                        continue
-                    if ep.done:
-                        finished.append(ep)
-                        ep.env.close()
-                        continue
-                    forks = []
-                    if cfg.branch_factor > 1 and len(ep.turns) == cfg.branch_turn:
-                        tf = time.perf_counter()
-                        forks = [ep.fork(k) for k in range(1, cfg.branch_factor)]
-                        env_s += time.perf_counter() - tf
-                        ep.path = ep.path + (0,)
-                    for e in [ep, *forks]:
-                        submit(e)
+            try:
+                env_s = self._drain(pending, submit, finished, failed)
+            finally:                                       # an unexpected error: free every sandbox
+                for f, ep in pending.items():
+                    f.cancel()
+                    ep.env.close()
         trajs = self._trajectories(finished)
         n_gen = sum(int(np.sum(t.loss_mask)) for t in trajs)
         versions = sorted({str(t_.weight_version) for e in finished for t_ in e.turns})
+        by_group: dict[str, list[float]] = {}
+        for t in trajs:
+            by_group.setdefault(t.group_id, []).append(t.reward)
         stats = {"rollout_s": time.perf_counter() - t0, "trajectories": len(trajs), "failed": len(failed),
+                 "groups": len(by_group),
+                 "zero_variance_groups": sum(1 for r in by_group.values() if max(r) == min(r)),
                  "generated_tokens": n_gen, "trajectory_tokens": int(sum(len(t) for t in trajs)),
                  "turns": sum(len(e.turns) for e in finished), "fork_s": env_s,
                  "reward_mean": float(np.mean([t.reward for t in trajs])) if trajs else float("nan"),
@@ -273,6 +272,41 @@ class AgentLoop:
             logger.error("%d of %d episodes failed (kept in RolloutResult.failed): %s", len(failed),
                          len(failed) + len(finished), failed[:3])
         return RolloutResult(trajs, failed, stats)
+
+    def _drain(self, pending: dict, submit, finished: list, failed: list) -> float:
+        """Collect finished turns until no episode runs: finished episodes to ``finished``, failed
+        ones (and failed forks) to ``failed`` with the reason, running ones resubmitted (forked
+        after ``branch_turn``). Returns the seconds spent forking environments."""
+        cfg, fork_s = self.cfg, 0.0
+        while pending:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for fut in done:
+                ep = pending.pop(fut)
+                try:
+                    fut.result()
+                except Exception as e:       # engine down after retries, env crash: keep the record
+                    logger.error("%s failed at turn %d: %s", ep.traj_id, len(ep.turns) + 1, e)
+                    failed.append((ep.traj_id, f"{type(e).__name__}: {e}"))
+                    ep.env.close()
+                    continue
+                if ep.done:
+                    finished.append(ep)
+                    ep.env.close()
+                    continue
+                forks = []
+                if cfg.branch_factor > 1 and len(ep.turns) == cfg.branch_turn:
+                    tf = time.perf_counter()
+                    for k in range(1, cfg.branch_factor):
+                        try:
+                            forks.append(ep.fork(k))
+                        except Exception as e:      # sandbox copy failed: that branch is lost, reported
+                            logger.error("%s: fork %d failed: %s", ep.traj_id, k, e)
+                            failed.append((f"{ep.traj_id}.{k}", f"fork: {type(e).__name__}: {e}"))
+                    fork_s += time.perf_counter() - tf
+                    ep.path = ep.path + (0,)
+                for e in [ep, *forks]:
+                    submit(e)
+        return fork_s
 
     def _trajectories(self, episodes: list[Episode]) -> list[Trajectory]:
         """Trajectories in (group, path) order with GRPO advantages per group."""

@@ -6,14 +6,15 @@ CPU (the default, runs anywhere; the embedded transformers engine, not SGLang)::
 
 GPU (SGLang 0.5.x installed; the trainer on the same GPU)::
 
-    python -m megatron_harts.rollout --engine sglang --device cuda --model small --steps 50 \
+    python -m megatron_harts.rollout --engine sglang --device cuda --model small-moe --steps 50 \
         --engine-args="--mem-fraction-static 0.3"
 
 or against running servers: ``--engine-urls http://host:30000,http://host:30001``. Prints one
 line per step (reward, compression, rollout / train / sync seconds, rollout-train log-prob
 mismatch) and writes ``<out>/rollout.json``. ``--trainer traj`` trains the same loop
-trajectory-wise (the baseline). ``--ray`` runs engines, environment workers and the trainer as
-Ray actors (a local cluster is started unless ``RAY_ADDRESS`` points to one).
+trajectory-wise (the baseline). ``--ray`` runs the environment workers and the trainer as Ray
+actors (a local cluster is started unless ``RAY_ADDRESS`` points to one); engine servers are
+subprocesses of the driver or given by URL.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import sys
 import warnings
 
 from .agent_loop import RolloutConfig
-from .loop import LoopConfig, RLLoop
+from .envs import list_families
+from .loop import NUM_TASK_INDICES, LoopConfig, RLLoop
+from .weight_sync import model_config
 
 
 def parse_args(argv=None) -> LoopConfig:
@@ -34,7 +37,7 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--steps", type=int, default=2)
     g.add_argument("--out", default="out/rl", help="run directory (checkpoints, engine logs, rollout.json)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--ray", action="store_true", help="engines, workers and trainer as Ray actors")
+    g.add_argument("--ray", action="store_true", help="rollout workers and the trainer as Ray actors")
     g = ap.add_argument_group("engine")
     g.add_argument("--engine", choices=["embedded", "sglang"], default="embedded",
                    help="embedded: in-process transformers server (CPU default); sglang: SGLang servers")
@@ -44,12 +47,13 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of started servers (repeatable), e.g. PYTHONPATH=/opt/sglang")
     g = ap.add_argument_group("rollouts")
-    g.add_argument("--family", default="lookup", help="task family (lookup: learnable; code_repair)")
+    g.add_argument("--family", default="lookup", choices=list_families(),
+                   help="task family (lookup: learnable; code_repair)")
     g.add_argument("--tasks-per-step", type=int, default=4)
     g.add_argument("--group-size", type=int, default=4)
     g.add_argument("--branch-turn", type=int, default=1, help="fork running episodes after this turn (0: never)")
     g.add_argument("--branch-factor", type=int, default=2)
-    g.add_argument("--max-turns", type=int, default=4)
+    g.add_argument("--max-turns", type=int, help="model turns per episode (default: the task family's)")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--max-context-tokens", type=int, default=2048)
     g.add_argument("--temperature", type=float, default=1.0)
@@ -57,7 +61,8 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--rollout-workers", type=int, default=1)
     g = ap.add_argument_group("trainer")
     g.add_argument("--trainer", choices=["tree", "traj"], default="tree", help="tree: HARTS; traj: baseline")
-    g.add_argument("--model", default="tiny", help="model preset (tiny, small) or a config.json")
+    g.add_argument("--model", default="tiny", help="model preset (tiny, tiny-moe, small, small-moe; SGLang "
+                   "serves only the -moe ones) or a Qwen3-Next config.json / checkpoint directory")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--chunk-size", type=int, default=16)
@@ -65,11 +70,24 @@ def parse_args(argv=None) -> LoopConfig:
                    help="tree attention kernel of the trainer (torch: SDPA with a dense mask, for small packs)")
     g.add_argument("--sft-warmup-steps", type=int, default=0,
                    help="supervised steps on scripted demonstrations before RL (cold start)")
+    g.add_argument("--old-logprobs", choices=["trainer", "engine"], default="trainer",
+                   help="ratio denominator: the trainer's own forward (on-policy) or the engine's log-probs")
+    g.add_argument("--warmup-lr", type=float, help="learning rate of the warm-up (default: --lr)")
     a = ap.parse_args(argv)
-    for name in ("steps", "tasks_per_step", "group_size", "branch_factor", "max_turns", "max_new_tokens",
-                 "num_engines", "rollout_workers", "max_concurrency"):
+    for name in ("steps", "tasks_per_step", "group_size", "branch_factor", "max_new_tokens", "num_engines",
+                 "rollout_workers", "max_concurrency", "chunk_size", "max_context_tokens"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.max_turns is not None and a.max_turns < 1:
+        ap.error(f"--max-turns must be >= 1, got {a.max_turns}")
+    if a.tasks_per_step > NUM_TASK_INDICES:
+        ap.error(f"--tasks-per-step must be <= {NUM_TASK_INDICES}, got {a.tasks_per_step}")
+    if a.lr <= 0:
+        ap.error(f"--lr must be > 0, got {a.lr}")
+    try:
+        model_config(a.model, check=True)
+    except ValueError as e:
+        ap.error(f"--model: {e}")
     bad = [e for e in a.engine_env if "=" not in e]
     if bad:
         ap.error(f"--engine-env expects KEY=VALUE, got {bad[0]!r}")
@@ -83,7 +101,8 @@ def parse_args(argv=None) -> LoopConfig:
                       tasks_per_step=a.tasks_per_step, rollout=ro, rollout_workers=a.rollout_workers,
                       trainer=a.trainer, model=a.model, lr=a.lr, chunk_size=a.chunk_size, device=a.device,
                       attention_backend=a.attention_backend,
-                      seed=a.seed, use_ray=a.ray, out=a.out, sft_warmup_steps=a.sft_warmup_steps)
+                      seed=a.seed, use_ray=a.ray, out=a.out, sft_warmup_steps=a.sft_warmup_steps,
+                      warmup_lr=a.warmup_lr, old_logprobs=a.old_logprobs)
 
 
 HEADER = "step  reward  compr.  traj  rollout_s  train_s  sync_s  mismatch"
@@ -97,7 +116,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|fla)\.")
     try:
         rows = RLLoop(cfg).run()
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
+    except (ValueError, RuntimeError, OSError) as e:      # bad input, engines down, every episode failed
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"\n{cfg.trainer} trainer, {cfg.engine} engine, family {cfg.family}: rows in {cfg.out}/rollout.json")

@@ -8,9 +8,11 @@ Pieces (each small and replaceable, composed here):
   task family (:mod:`.envs`), on the engines' URLs;
 * :class:`TrainerWorker`: the Megatron trainer (:class:`~.trainer.HartsTrainer`) and the export of
   its weights as a Hugging Face checkpoint (:class:`~.weight_sync.WeightSync`);
-* :class:`RLLoop`: the driver. With ``use_ray=True`` each piece is a Ray actor (``ray.remote`` of
-  the same classes), so engines, environment workers and the trainer can sit on different nodes;
-  without Ray they are plain objects in this process (tests, debugging).
+* :class:`RLLoop`: the driver. With ``use_ray=True`` the trainer and the rollout workers are Ray
+  actors (``ray.remote`` of the same classes), so environment workers and the trainer can sit on
+  different nodes; without Ray they are plain objects in this process (tests, debugging). Engine
+  servers are the driver's subprocesses or given by URL; checkpoints reach them as a path (a
+  shared file system across nodes).
 
 Per step the driver records ``{step, engine, trainer, rollout_s, train_s, sync_s, compression,
 reward_mean, logprob_mismatch_max, ...}``; ``logprob_mismatch_*`` compares the engine's log-probs
@@ -34,6 +36,7 @@ from .agent_loop import AgentLoop, RolloutConfig
 from .tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
+NUM_TASK_INDICES = 10_000      # steps draw their tasks from indices 0..NUM_TASK_INDICES-1 of the family
 
 
 @dataclass
@@ -49,7 +52,9 @@ class LoopConfig:
     ``run()`` (in ``RLLoop.servers``, for a next run on the same engines); ``weights_dir``: where
     checkpoints are written (default ``<out>/weights``; a RAM disk such as ``/dev/shm`` saves the
     disk write); ``save_rollouts``: each step's trajectories as ``<out>/rollouts/step_NNNN.jsonl``
-    (the trajectory JSONL format, readable by ``megatron_harts.tree.read_jsonl``)."""
+    (the trajectory JSONL format, readable by ``megatron_harts.tree.read_jsonl``);
+    ``sft_warmup_steps`` supervised steps on scripted episodes first, at ``warmup_lr`` (default
+    ``lr``)."""
 
     steps: int = 2
     engine: str = "embedded"
@@ -67,11 +72,13 @@ class LoopConfig:
     lr: float = 1e-3
     chunk_size: int = 16
     attention_backend: str = "auto"
+    old_logprobs: str = "trainer"
     device: str = "cpu"
     seed: int = 0
     use_ray: bool = False
     out: str = "out/rl"
     sft_warmup_steps: int = 0
+    warmup_lr: float | None = None
     weights_dir: str | None = None
     save_rollouts: bool = True
 
@@ -84,8 +91,9 @@ class RolloutWorker:
         from .envs import make_env
 
         self.family, self.seed = family, seed
+        turns = {"max_turns": rollout.max_turns} if rollout.max_turns else {}     # else the family's own
         self.loop = AgentLoop([HttpEngine(u) for u in urls], ByteTokenizer(),
-                              lambda task: make_env(family, int(task), seed=seed), rollout)
+                              lambda task: make_env(family, int(task), seed=seed, **turns), rollout)
 
     def rollout(self, tasks: list[int], group_ids: list[str]):
         return self.loop.rollout(tasks, group_ids)
@@ -113,12 +121,12 @@ class TrainerWorker:
     """The trainer and its weight export; lives where the training GPU is."""
 
     def __init__(self, hf_config: dict, out_root: str, *, tree: bool, lr: float, chunk_size: int, device: str,
-                 seed: int, attention_backend: str = "auto"):
+                 seed: int, attention_backend: str = "auto", old_logprobs: str = "trainer"):
         from .trainer import HartsTrainer
         from .weight_sync import WeightSync
 
         self.trainer = HartsTrainer(hf_config, tree=tree, lr=lr, chunk_size=chunk_size, device=device, seed=seed,
-                                    attention_backend=attention_backend)
+                                    attention_backend=attention_backend, old_logprobs=old_logprobs)
         self.sync = WeightSync(hf_config, out_root)
 
     def export(self, version: str) -> tuple[str, dict]:
@@ -130,6 +138,9 @@ class TrainerWorker:
 
     def logprobs(self, trajectories):
         return self.trainer.logprobs(trajectories)
+
+    def set_lr(self, lr: float) -> None:
+        self.trainer.set_lr(lr)
 
 
 def _remote(cls, use_ray: bool, **options):
@@ -175,7 +186,7 @@ class RLLoop:
         cfg, ray_ = self.cfg, self.cfg.use_ray
         Trainer = _remote(TrainerWorker, ray_, num_cpus=0, num_gpus=1 if cfg.device == "cuda" and ray_ else 0)
         kw = dict(tree=cfg.trainer == "tree", lr=cfg.lr, chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed,
-                  attention_backend=cfg.attention_backend)
+                  attention_backend=cfg.attention_backend, old_logprobs=cfg.old_logprobs)
         weights = cfg.weights_dir or str(self.out / "weights")
         self.trainer = Trainer.remote(self.hf_config, weights, **kw) if ray_ else Trainer(self.hf_config, weights, **kw)
         path, stats = _get(_call(self.trainer, "export", "v0", use_ray=ray_), ray_)
@@ -217,7 +228,7 @@ class RLLoop:
     def _tasks(self, step: int, n: int | None = None) -> tuple[list[int], list[str]]:
         """``n`` (default ``tasks_per_step``) distinct task indices of step ``step``, seeded."""
         rng = np.random.default_rng([self.cfg.seed, step])
-        idx = rng.choice(10_000, size=n or self.cfg.tasks_per_step, replace=False)
+        idx = rng.choice(NUM_TASK_INDICES, size=n or self.cfg.tasks_per_step, replace=False)
         return [int(i) for i in idx], [f"s{step}-{self.cfg.family}-{int(i)}" for i in idx]
 
     def _rollout(self, step: int):
@@ -229,7 +240,8 @@ class RLLoop:
         trajs = [t for r in results for t in r.trajectories]
         failed = [f for r in results for f in r.failed]
         stats = {k: sum(r.stats[k] for r in results) for k in ("trajectories", "failed", "generated_tokens",
-                                                                "trajectory_tokens", "turns")}
+                                                                "trajectory_tokens", "turns", "groups",
+                                                                "zero_variance_groups")}
         stats["rollout_s"] = max(r.stats["rollout_s"] for r in results)
         stats["reward_mean"] = float(np.mean([t.reward for t in trajs])) if trajs else float("nan")
         stats["weight_versions"] = sorted({v for r in results for v in r.stats["weight_versions"]})
@@ -239,20 +251,28 @@ class RLLoop:
 
     def run(self) -> list[dict]:
         cfg, ray_ = self.cfg, self.cfg.use_ray
-        self._start()
         try:
+            self._start()
+            if cfg.sft_warmup_steps and cfg.warmup_lr is not None:
+                _get(_call(self.trainer, "set_lr", cfg.warmup_lr, use_ray=ray_), ray_)
             for w in range(cfg.sft_warmup_steps):
                 tasks, gids = self._tasks(1_000_000 + w, cfg.tasks_per_step * cfg.rollout.group_size)
                 demos = _get(_call(self.workers[0], "demonstrations", tasks, gids, use_ray=ray_), ray_)
                 m = _get(_call(self.trainer, "train_step", demos, use_ray=ray_), ray_)
                 logger.info("warm-up %d/%d: nll %.4f", w + 1, cfg.sft_warmup_steps, m["nll"])
+            served = "v0"
             if cfg.sft_warmup_steps:
+                _get(_call(self.trainer, "set_lr", cfg.lr, use_ray=ray_), ray_)
                 path, _ = _get(_call(self.trainer, "export", "v0w", use_ray=ray_), ray_)
                 self._push(path, "v0w")
+                served = "v0w"
             for step in range(cfg.steps):
                 trajs, failed, rs = self._rollout(step)
                 if not trajs:
                     raise RuntimeError(f"step {step}: every episode failed ({failed[:3]})")
+                if rs["weight_versions"] != [served]:     # on-policy: every turn on the pushed weights
+                    raise RuntimeError(f"step {step}: rollouts used weight versions {rs['weight_versions']}, "
+                                       f"expected only {served!r} (an engine did not load the update)")
                 if cfg.save_rollouts:
                     (self.out / "rollouts").mkdir(exist_ok=True)
                     write_jsonl(self.out / "rollouts" / f"step_{step:04d}.jsonl", trajs)
@@ -262,6 +282,7 @@ class RLLoop:
                 path, ws = _get(_call(self.trainer, "export", version, use_ray=ray_), ray_)
                 export_s = time.perf_counter() - t0
                 push_s = self._push(path, version)
+                served = version
                 row = {"step": step, "engine": cfg.engine, "trainer": cfg.trainer, "rollout_s": rs["rollout_s"],
                        "train_s": m["train_s"], "sync_s": export_s + push_s, "sync_export_s": export_s,
                        "sync_push_s": push_s, "sync_bytes": ws.get("bytes"), "compression": m["compression"],
@@ -271,7 +292,8 @@ class RLLoop:
                        "logprob_mismatch_p99": m.get("logprob_mismatch_p99"), "loss": m["loss"],
                        "grad_norm": m["grad_norm"], "nll": m["nll"], "trajectories": rs["trajectories"], "failed": rs["failed"],
                        "generated_tokens": rs["generated_tokens"], "trajectory_tokens": rs["trajectory_tokens"],
-                       "packed_tokens": m["packed_tokens"], "rollout_weight_versions": rs["weight_versions"]}
+                       "packed_tokens": m["packed_tokens"], "rollout_weight_versions": rs["weight_versions"],
+                       "groups": rs["groups"], "zero_variance_groups": rs["zero_variance_groups"]}
                 self.rows.append(row)
                 logger.info("step %d: reward %.3f, compression %.2fx, rollout %.2f s, train %.2f s, sync %.2f s, "
                             "mismatch max %.2e", step, row["reward_mean"], row["compression"], row["rollout_s"],

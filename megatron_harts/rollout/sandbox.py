@@ -349,7 +349,10 @@ class Sandbox:
             binds += ["--ro-bind", str(host), inside]
         status_r, status_w = os.pipe()  # bwrap reports {"child-pid": N} there once the sandbox is up
         argv = ["bwrap", "--json-status-fd", str(status_w), *self._bwrap, "--size", str(lim.disk_mb << 20),
-                "--tmpfs", "/tmp", *binds, "--bind", str(self.merged), WORKSPACE, "--chdir", WORKSPACE,
+                "--tmpfs", "/tmp",
+                # /dev/shm is a tmpfs of its own under --dev (host-sized, not counted by ulimit -v):
+                # cap it like /tmp
+                "--size", str(lim.disk_mb << 20), "--tmpfs", "/dev/shm", *binds, "--bind", str(self.merged), WORKSPACE, "--chdir", WORKSPACE,
                 "/bin/sh", "-c", command]
         # The outer shell joins the pids cgroup and sets the address-space limit, then becomes bwrap.
         join = 'echo $$ > "$0" && ' if self._cgroup is not None else ""

@@ -16,6 +16,7 @@ writes (``scripts/launch_torchrun.sh``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -40,11 +41,19 @@ class HartsTrainer:
     tree a microbatch); ``loss``: :func:`~megatron_harts.rl.policy_loss` keyword arguments.
     ``device="cuda"`` trains in fp32 parameters on one GPU (the loop's small models), CPU through
     ``cpu_shim``; ``attention_backend``: the tree attention kernel (``auto``, ``torch``, ``flex``;
-    see ``ops.attention``), the same for tree and trajectory packs."""
+    see ``ops.attention``), the same for tree and trajectory packs; ``old_logprobs``: the ratio's
+    denominator: ``trainer`` (this forward's own log-probs, detached: one on-policy update, ratio 1,
+    as verl recomputes them) or ``engine`` (the rollout engine's: the ratio then also corrects for
+    the rollout-train mismatch, and clipping can zero the gradient of mismatched tokens). The
+    mismatch is measured either way."""
 
     def __init__(self, hf_config: dict, *, tree: bool = True, lr: float = 1e-3, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, chunk_size: int = 16, microbatch_tokens: int = 1 << 16,
-                 device: str = "cpu", seed: int = 0, loss: dict | None = None, attention_backend: str = "auto"):
+                 device: str = "cpu", seed: int = 0, loss: dict | None = None, attention_backend: str = "auto",
+                 old_logprobs: str = "trainer"):
+        if old_logprobs not in ("trainer", "engine"):
+            raise ValueError(f"old_logprobs must be 'trainer' or 'engine', got {old_logprobs!r}")
+        self.old_logprobs = old_logprobs
         self.hf_config, self.tree, self.chunk_size = dict(hf_config), tree, chunk_size
         self.microbatch_tokens, self.grad_clip, self.device = microbatch_tokens, grad_clip, device
         self.loss_kwargs = dict(loss_type="grpo", loss_agg_mode="token-mean", **(loss or {}))
@@ -94,6 +103,11 @@ class HartsTrainer:
     def _param_device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate (e.g. after a supervised warm-up)."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
     # -- training ---------------------------------------------------------------------------------
     def _microbatches(self, trajectories: Sequence[Trajectory]):
         groups = {t.group_id for t in trajectories}
@@ -124,7 +138,8 @@ class HartsTrainer:
             logits = self._forward(mb)
             logprobs = tree_token_logprobs(logits[0], mb.pack)
             n = mb.norms
-            loss, _ = policy_loss(logprobs, mb.rl, global_num_tokens=n.num_tokens,
+            rl = mb.rl if self.old_logprobs == "engine" else dataclasses.replace(mb.rl, old_logprobs=None)
+            loss, _ = policy_loss(logprobs, rl, global_num_tokens=n.num_tokens,
                                   global_num_sequences=n.num_sequences, global_max_len=n.max_len, **self.loss_kwargs)
             loss.backward()              # each microbatch's loss is its share of the global loss
             loss_sum += float(loss.detach())

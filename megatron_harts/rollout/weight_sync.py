@@ -109,7 +109,7 @@ def tiny_qwen3_next_config(vocab_size: int = 264, hidden_size: int = 64, num_lay
 
 
 def small_qwen3_next_config(moe: bool = False, **overrides) -> dict[str, Any]:
-    """A ~75M (dense) / ~85M (``moe``) parameter Qwen3-Next for GPU runs: hidden 768, 12 layers
+    """A 77.3M (dense) / 91.5M (``moe``) parameter Qwen3-Next for GPU runs: hidden 768, 12 layers
     (9 GDN : 3 gated attention), GDN 4 key / 8 value heads of 64, attention 12 query / 2 KV heads
     of 64, partial RoPE 0.25, SwiGLU 2048; ``moe``: 8 experts top-2 of 256 plus a shared expert of
     512 in every layer. bf16 checkpoints; vocabulary 264 (the byte tokenizer)."""
@@ -136,10 +136,12 @@ def qwen3_next_preset(name: str, moe: bool = False, **overrides) -> dict[str, An
 PRESETS = ("tiny", "tiny-moe", "small", "small-moe")
 
 
-def model_config(spec: str, **overrides) -> dict[str, Any]:
+def model_config(spec: str, check: bool = False, **overrides) -> dict[str, Any]:
     """``Qwen3NextConfig`` kwargs from a preset name (``tiny``, ``tiny-moe``, ``small``,
     ``small-moe``; SGLang serves only the ``-moe`` ones) or a path to a ``config.json`` (or a
-    checkpoint directory holding one); ``overrides`` are applied last."""
+    checkpoint directory holding one); ``overrides`` are applied last. ``check``: also map it to
+    Megatron (``convert.hf_config_to_megatron``), so a config with missing or unsupported fields
+    fails here with a ``ValueError`` naming the file and field instead of later in the trainer."""
     name = str(spec)
     if name in PRESETS:
         base, _, moe = name.partition("-")
@@ -149,10 +151,22 @@ def model_config(spec: str, **overrides) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"model {spec!r}: neither a preset {PRESETS} nor a config.json path")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
     if cfg.get("model_type", "qwen3_next") != "qwen3_next":
         raise ValueError(f"{path}: model_type {cfg.get('model_type')!r}, only qwen3_next is supported")
-    return dict(cfg, **overrides)
+    cfg = dict(cfg, **overrides)
+    if check:
+        from ..megatron.convert import hf_config_to_megatron
+        try:
+            hf_config_to_megatron(cfg)
+        except NotImplementedError as e:
+            raise ValueError(f"{path}: {e}") from e
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: missing or invalid field ({type(e).__name__}: {e})") from e
+    return cfg
 
 
 def _finish_config(cfg: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

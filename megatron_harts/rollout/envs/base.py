@@ -233,7 +233,7 @@ def list_families() -> list[str]:
 
 def get_family(name: str) -> TaskFamily:
     if name not in _FAMILIES:
-        raise KeyError(f"unknown task family {name!r}; known: {', '.join(list_families())}")
+        raise ValueError(f"unknown task family {name!r}; known: {', '.join(list_families())}")
     return _FAMILIES[name]
 
 

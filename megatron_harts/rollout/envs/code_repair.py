@@ -4,16 +4,19 @@ Building a task (once per process per mutant, cached in :func:`~.base.task_dir`)
 1. extract a pure function from the standard library's source (``CATALOG``) with the module-level
    names it uses: imports, literal constants, exception classes and same-module helper functions
    (copied unchanged), all through ``ast`` (comments are lost, docstrings kept);
-2. run the original on fixed inputs (a per-function seeded generator) and record the outputs
-   (return value and the arguments after the call, for in-place functions, or the exception name)
-   as literals in ``test_solution.py``, which imports only ``solution`` and the stdlib;
+2. run the original (on the host) on fixed inputs (a per-function seeded generator: the visible
+   cases, then the held-out ones from another seed) and record the outputs (return value and the
+   arguments after the call, for in-place functions, or the exception name); the visible cases go
+   as literals into ``test_solution.py`` (feedback; imports only ``solution`` and the stdlib), the
+   inputs of all cases into the runner ``run_cases.py``, the outputs stay on the host (Grading);
 3. mutate one site of the target function (a comparison operator flipped ``<``/``<=``,
    ``==``/``!=``, ...; ``+``/``-`` swapped, also in ``+=``; ``and``/``or`` swapped; a numeric
    constant plus one). All mutants of a function are screened in one sandboxed process against
    the recorded cases under a budget of traced Python events (20x the original's), so which
-   mutants are tasks never depends on machine load: a task is a mutant that fails some case
-   within the budget (equivalent mutants and endless loops are dropped). The real test then runs
-   in a sandbox on the original (must pass) and on each chosen mutant (must fail).
+   mutants are tasks never depends on machine load: a task is a mutant that fails some visible
+   case and some held-out case within the budget (equivalent mutants and endless loops are
+   dropped). The real grader then runs in a sandbox on the original (must pass) and on each
+   chosen mutant (must fail).
 
 Cost (2 busy cores): 0.3-0.7 s the first time a process meets a function, 0.1-0.2 s per new
 mutant, ~10 ms per environment afterwards.
@@ -24,9 +27,38 @@ of its sites (wrapping around when there are fewer), so indices ``0 .. F-1`` are
 functions and later indices other bugs in them.
 
 Episode: ``/workspace`` holds ``solution.py`` (the mutant) and ``test_solution.py``; any shell
-command runs via ``<call>CMD</call>``; a turn without a call ends the episode. Reward 1.0 when the
-pristine test (``/task/test_solution.py``, read-only, so editing the workspace copy does not help)
-exits 0 on the workspace's ``solution.py`` within the sandbox timeout, else 0.0.
+command runs via ``<call>CMD</call>``; a turn without a call ends the episode.
+
+Grading (reward 1.0 or 0.0). The model's code and the grading code cannot be separated inside the
+sandbox: whatever imports ``solution.py`` runs the model's code in its own process, which can exit
+early with any status (``raise SystemExit(0)``, ``os._exit(0)``), print any text, write any file,
+and read everything in the sandbox. So nothing the sandbox says is trusted except the *outputs*,
+and the sandbox holds no expected value of a graded case it does not already show the model:
+* ``/task/run_cases.py`` (read-only) is a *runner* holding inputs only: the visible cases (those
+  of ``test_solution.py``) and as many *held-out* cases (other inputs drawn by the same generator,
+  whose outputs appear nowhere in the sandbox). It imports ``solution`` (its stdout and stderr
+  silenced), calls the function on deep copies of each case's arguments and prints one line:
+  ``RESULTS_MARK`` + JSON of ``["return", value, args after the call]`` or ``["raise", exception
+  type name]`` per case, values in a tagged JSON encoding (:func:`encode`: tuples, bytes,
+  non-finite floats, ``Fraction``, ``Decimal``, dates, IP addresses, ...; anything else becomes an
+  opaque tag that equals nothing), then ``os._exit(0)``.
+* The host (:func:`judge`) keeps the expected outputs (computed from the original function,
+  outside the sandbox). Reward 1.0 only when the command exited 0 within its time and output
+  limits (a timeout or truncated output is a failure), printed exactly one results line, that line
+  parses (``json.loads`` and the strict :func:`decode`, which builds only plain values; nothing is
+  unpickled or evaluated), holds one well-formed result per case, and every result equals the
+  expected one under ``same()`` (the equality of ``test_solution.py``: floats with ``isclose``,
+  list vs tuple distinguished). Exiting early means no or an incomplete line: 0.0. Printing a fake
+  line needs the held-out outputs, i.e. a correct function.
+* ``/workspace/test_solution.py`` is feedback only (its exit status and text are never read by
+  the grader). It shows the visible cases' expected values in its ``FAIL`` lines, by design: the
+  task is to fix a bug from failing examples. That makes a lookup table of the visible cases
+  possible, which is why the held-out cases exist; a function that special-cases the visible
+  inputs gets 0.0. Known residual: ``/usr`` (the interpreter's standard library) is readable, so a
+  solution may call or copy the original stdlib function; that yields correct outputs and is
+  accepted.
+Task building checks the grader itself: the original must pass it (all cases) and each chosen
+mutant must fail it.
 """
 from __future__ import annotations
 
@@ -46,13 +78,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..sandbox import Sandbox, SandboxLimits
+from ..sandbox import CommandResult, Sandbox, SandboxLimits
 from .base import SandboxEnv, TaskFamily, register_family, task_dir
 
 log = logging.getLogger(__name__)
 
 FAMILY = "code_repair"
-GRADE_COMMAND = "python3 -I -B /task/test_solution.py"  # -I: the workspace cannot shadow stdlib modules
+GRADE_COMMAND = "python3 -I -B /task/run_cases.py"  # -I: the workspace cannot shadow stdlib modules
+RESULTS_MARK = "@@code_repair-results@@ "  # starts the runner's one results line
 BUILD_TIMEOUT_S = 60.0  # wall-clock safety net for building a task (seconds)
 
 
@@ -112,8 +145,14 @@ class Function:
         return f"{self.module}.{self.name}"
 
     def cases(self) -> list[tuple[tuple, dict]]:
+        """The visible cases (in ``test_solution.py``, expected values shown to the model)."""
         r = random.Random(f"{FAMILY}:cases:{self.qualname}")
         return [self.draw(r) for _ in range(self.n)] + list(self.fixed)
+
+    def held_out(self) -> list[tuple[tuple, dict]]:
+        """The held-out cases: graded, their inputs in the runner, their outputs only on the host."""
+        r = random.Random(f"{FAMILY}:held-out:{self.qualname}")
+        return [self.draw(r) for _ in range(max(6, self.n // 2))]
 
 
 CATALOG: tuple[Function, ...] = (
@@ -305,7 +344,9 @@ sys.exit(1 if failed else 0)
 
 # Screens every mutant of one function in one sandboxed process. A deterministic budget of traced
 # Python events (20x the original's, plus 10k) replaces a wall-clock limit, so which mutants are
-# valid never depends on machine load; a mutant over budget (e.g. an endless loop) is rejected.
+# valid never depends on machine load; a mutant over budget (e.g. an endless loop) is rejected. A
+# valid mutant fails some visible case (the model sees the bug) and some held-out case (a lookup
+# table of the visible cases plus the mutant for the rest does not pass).
 _CHECK = '''import copy
 import json
 import math
@@ -314,6 +355,7 @@ import sys
 CASES = [
 __CASES__
 ]
+VISIBLE = __VISIBLE__  # CASES[:VISIBLE] are test_solution.py's, the rest held out
 SOURCES = json.load(open("sources.json"))
 
 
@@ -341,15 +383,16 @@ def check(src, budget):
     left = budget
     sys.settrace(tracer)
     try:
-        failed = False
-        for args, kwargs, want in CASES:  # all of them, as the test does
+        failed = [False, False]  # some visible case, some held-out case
+        for i, (args, kwargs, want) in enumerate(CASES):  # all of them, as the grader does
             args = copy.deepcopy(args)
             try:
                 got = ("return", ns["__FN__"](*args, **kwargs), args)
             except Exception as e:
                 got = ("raise", type(e).__name__)
-            failed |= not same(got, want)
-        return "fail" if failed else "pass"
+            if not same(got, want):
+                failed[i >= VISIBLE] = True
+        return "fail" if all(failed) else "partial" if any(failed) else "pass"
     except Budget:
         return "budget"
     finally:
@@ -362,20 +405,256 @@ print(json.dumps([first] + [check(src, budget) for src in SOURCES[1:]]))
 '''
 
 
-def _expected(fn: Function, source: str) -> str:
-    """The ``CASES`` literal lines: ``fn``'s inputs with the outputs of ``source`` (the original)."""
+# The runner: the only grading code inside the sandbox. It holds inputs only (no expected value).
+# Its encoder (ENCODER, also exec'd on the host to check the codec) tags what JSON cannot say.
+_ENCODER = '''def encode(v, depth=0):
+    """``v`` as JSON-able data: None, bool, int, str, finite floats and lists as themselves, any
+    other value as a one-key dict ``{tag: payload}``; an unsupported type becomes ``{"?": name}``."""
+    if depth > 200:
+        raise RecursionError("value nested too deeply")
+    t, d = type(v), depth + 1
+    if v is None or t is bool or t is int or t is str:
+        return v
+    if t is float:
+        return v if math.isfinite(v) else {"float": repr(v)}
+    if t is list:
+        return [encode(x, d) for x in v]
+    if t is tuple or t is set or t is frozenset:
+        return {t.__name__: [encode(x, d) for x in v]}
+    if t is dict:
+        return {"dict": [[encode(k, d), encode(x, d)] for k, x in v.items()]}
+    if t is bytes or t is bytearray:
+        return {t.__name__: v.hex()}
+    if t is complex:
+        return {"complex": [repr(v.real), repr(v.imag)]}
+    name = t.__module__ + "." + t.__qualname__
+    if name == "fractions.Fraction":
+        return {"Fraction": [v.numerator, v.denominator]}
+    if name == "datetime.timedelta":
+        return {"timedelta": [v.days, v.seconds, v.microseconds]}
+    if name in ("decimal.Decimal", "ipaddress.IPv4Address", "ipaddress.IPv6Address"):
+        return {t.__qualname__: str(v)}
+    if name in ("datetime.date", "datetime.datetime", "datetime.time"):
+        return {t.__qualname__: v.isoformat()}
+    return {"?": t.__qualname__}
+'''
+
+_RUNNER = '''"""Runs __FN__ from solution.py on the task's inputs and prints the results for the grader, which
+compares them with the expected outputs outside the sandbox (this file holds inputs only)."""
+import copy
+import json
+import math
+import os
+import sys
+
+# (args, kwargs) of every graded case
+CASES = [
+__INPUTS__
+]
+MARK = __MARK__
+
+
+__ENCODER__
+
+def result(args, kwargs):
+    args = copy.deepcopy(args)
+    try:
+        value = __FN__(*args, **kwargs)
+    except Exception as e:
+        return ["raise", type(e).__name__]
+    try:
+        return ["return", encode(value), encode(args)]
+    except (RecursionError, ValueError):
+        return ["return", {"?": "unencodable"}, {"?": "unencodable"}]
+
+
+out = os.dup(1)
+sys.stdout = sys.stderr = open(os.devnull, "w")  # solution.py's prints do not reach the grader
+try:
+    sys.path.append(os.getcwd())
+    from solution import __FN__
+    line = MARK + json.dumps([result(a, k) for a, k in CASES], separators=(",", ":"), allow_nan=False)
+except BaseException as e:
+    os.write(out, f"runner: {type(e).__name__}: {e}"[:500].encode("utf-8", "replace") + b"\\n")
+    os._exit(1)
+data = (line + "\\n").encode()
+while data:
+    data = data[os.write(out, data):]
+os._exit(0)  # no atexit handler or finalizer of solution.py runs after the results
+'''
+
+
+class _Opaque:
+    """A decoded value of a type the codec does not carry: equal to nothing (identity equality)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+def _decoders() -> dict[str, Callable[[Any, Callable[[Any], Any]], Any]]:
+    import datetime
+    import decimal
+    import fractions
+    import ipaddress
+
+    def strs(p, n):
+        if type(p) is not list or len(p) != n or any(type(x) is not str for x in p):
+            raise ValueError("bad payload")
+        return p
+
+    def ints(p, n):
+        if type(p) is not list or len(p) != n or any(type(x) is not int for x in p):
+            raise ValueError("bad payload")
+        return p
+
+    def items(p, dec):
+        if type(p) is not list:
+            raise ValueError("bad payload")
+        return [dec(x) for x in p]
+
+    def fraction(p, dec):
+        num, den = ints(p, 2)
+        if den <= 0:
+            raise ValueError("bad Fraction")
+        return fractions.Fraction(num, den)
+
+    def floatstr(s):
+        if type(s) is not str or len(s) > 40:
+            raise ValueError("bad float")
+        return float(s)
+
+    def text(p, limit=100):
+        if type(p) is not str or len(p) > limit:
+            raise ValueError("bad payload")
+        return p
+
+    def pairs(p, dec):
+        if type(p) is not list or any(type(x) is not list or len(x) != 2 for x in p):
+            raise ValueError("bad dict")
+        return {dec(k): dec(v) for k, v in p}
+
+    return {
+        "tuple": lambda p, dec: tuple(items(p, dec)),
+        "set": lambda p, dec: set(items(p, dec)),
+        "frozenset": lambda p, dec: frozenset(items(p, dec)),
+        "dict": pairs,
+        "bytes": lambda p, dec: bytes.fromhex(text(p, 1 << 20)),
+        "bytearray": lambda p, dec: bytearray.fromhex(text(p, 1 << 20)),
+        "float": lambda p, dec: floatstr(p),
+        "complex": lambda p, dec: complex(*map(floatstr, strs(p, 2))),
+        "Fraction": fraction,
+        "Decimal": lambda p, dec: decimal.Decimal(text(p)),
+        "timedelta": lambda p, dec: datetime.timedelta(*ints(p, 3)),
+        "date": lambda p, dec: datetime.date.fromisoformat(text(p)),
+        "datetime": lambda p, dec: datetime.datetime.fromisoformat(text(p)),
+        "time": lambda p, dec: datetime.time.fromisoformat(text(p)),
+        "IPv4Address": lambda p, dec: ipaddress.IPv4Address(text(p)),
+        "IPv6Address": lambda p, dec: ipaddress.IPv6Address(text(p)),
+        "?": lambda p, dec: _Opaque(text(p)),
+    }
+
+
+_DECODERS = _decoders()
+
+
+def decode(data: Any, depth: int = 0) -> Any:
+    """The value :func:`encode` encoded as ``data`` (parsed JSON); raises ``ValueError`` (or
+    ``TypeError`` for an unhashable set element or dict key) on anything it did not produce."""
+    if depth > 200:
+        raise ValueError("value nested too deeply")
+    t = type(data)
+    if data is None or t is bool or t is int or t is str or t is float:
+        return data
+    if t is list:
+        return [decode(x, depth + 1) for x in data]
+    if t is dict and len(data) == 1:
+        ((tag, payload),) = data.items()
+        if tag in _DECODERS:
+            return _DECODERS[tag](payload, lambda x: decode(x, depth + 1))
+    raise ValueError(f"not an encoded value: {str(data)[:80]}")
+
+
+def _host_ns() -> dict[str, Any]:
+    """``encode`` and ``same`` as the sandboxed code defines them, for the host."""
+    import math
+    ns: dict[str, Any] = {"math": math}
+    exec(compile(_ENCODER + "\n\n" + _SAME, "<code_repair codec>", "exec"), ns)
+    return ns
+
+
+_HOST = _host_ns()
+encode: Callable[[Any], Any] = _HOST["encode"]
+same: Callable[[Any, Any], bool] = _HOST["same"]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"JSON constant {name} (non-finite floats are tagged)")
+
+
+def results_line(outcomes) -> str:
+    """The line the runner prints for these outcomes (host side: for checks and tests)."""
+    data = [["return", encode(o[1]), encode(o[2])] if o[0] == "return" else list(o) for o in outcomes]
+    return RESULTS_MARK + json.dumps(data, separators=(",", ":"), allow_nan=False)
+
+
+def judge(res: CommandResult, expected: tuple) -> tuple[bool, str]:
+    """``(passed, what)``: does the runner's output ``res`` (a :class:`CommandResult`) hold results
+    equal to ``expected`` (one ``("return", value, args)`` or ``("raise", name)`` per case)?"""
+    if res.timed_out:
+        return False, "timed out"
+    if res.truncated:
+        return False, "output truncated"
+    if res.exit_code != 0:
+        return False, f"runner exited {res.exit_code}"
+    lines = [ln for ln in res.output.split("\n") if ln.startswith(RESULTS_MARK)]
+    if len(lines) != 1:
+        return False, f"{len(lines)} results lines (want 1)"
+    try:
+        raw = json.loads(lines[0][len(RESULTS_MARK):], parse_constant=_reject_constant)
+        if type(raw) is not list or len(raw) != len(expected):
+            raise ValueError(f"not a list of {len(expected)} results")
+        got = []
+        for r in raw:
+            if type(r) is list and len(r) == 3 and r[0] == "return":
+                value, args = decode(r[1]), decode(r[2])
+                got.append(("return", value, args))
+            elif type(r) is list and len(r) == 2 and r[0] == "raise" and type(r[1]) is str:
+                got.append(("raise", r[1]))
+            else:
+                raise ValueError(f"malformed result {str(r)[:80]}")
+    except (ValueError, TypeError, RecursionError) as e:
+        return False, f"unparsable results: {e}"[:300]
+    failed = [i for i, (g, w) in enumerate(zip(got, expected)) if not same(g, w)]
+    if failed:
+        return False, f"{len(failed)}/{len(expected)} cases differ (first: case {failed[0]})"
+    return True, f"{len(expected)}/{len(expected)} cases match"
+
+
+def _outcomes(fn: Function, source: str, cases: list[tuple[tuple, dict]]) -> list[tuple]:
+    """The outputs of ``source`` (the original) on ``cases``: ``("return", value, args after the
+    call)`` or ``("raise", exception name)`` each, computed on the host."""
     ns: dict[str, Any] = {"__name__": "reference"}
     exec(compile(source, f"<reference {fn.qualname}>", "exec"), ns)
-    lines = []
-    for args, kwargs in fn.cases():
+    out = []
+    for args, kwargs in cases:
         after = copy.deepcopy(args)
         try:
-            want = ("return", ns[fn.name](*after, **kwargs), after)
+            out.append(("return", ns[fn.name](*after, **kwargs), after))
         except Exception as e:
-            want = ("raise", type(e).__name__)
-        case = (args, kwargs, want)
+            out.append(("raise", type(e).__name__))
+    return out
+
+
+def _case_lines(cases: list[tuple[tuple, dict]], outcomes: list[tuple] | None = None) -> str:
+    """Literal lines of ``(args, kwargs, expected)`` (or ``(args, kwargs)`` without ``outcomes``)."""
+    lines = []
+    for i, (args, kwargs) in enumerate(cases):
+        case = (args, kwargs, outcomes[i]) if outcomes is not None else (args, kwargs)
         if not _is_literal(case):
-            raise ValueError(f"{fn.qualname}: case {case!r} is not a Python literal")
+            raise ValueError(f"case {case!r} is not a Python literal")
         lines.append(f"    {case!r},")
     return "\n".join(lines)
 
@@ -384,12 +663,19 @@ def _fill(template: str, fn: Function, cases: str) -> str:
     return template.replace("__SAME__", _SAME).replace("__CASES__", cases).replace("__FN__", fn.name)
 
 
+def _runner(fn: Function, inputs: str) -> str:
+    return (_RUNNER.replace("__ENCODER__", _ENCODER).replace("__INPUTS__", inputs)
+            .replace("__MARK__", repr(RESULTS_MARK)).replace("__FN__", fn.name))
+
+
 # ----------------------------------------------------------------------------- task building
 @dataclass(frozen=True)
 class _Info:
     prelude: str
     target: str
-    cases: str               # the CASES literal's lines
+    cases: str               # the visible CASES literal's lines (inputs and expected outputs)
+    inputs: str              # the runner's CASES lines: inputs of the visible then held-out cases
+    expected: tuple          # the expected outcome of each runner case (host only)
     valid_sites: tuple[int, ...]
 
 
@@ -409,15 +695,15 @@ def _run_in_sandbox(workspace: Path, command: str, grader: Path | None = None):
 
 def _build(fn: Function, info: _Info, site: int | None) -> Path:
     """The task dir of ``fn`` mutated at ``site`` (``None``: unmutated): ``workspace/`` (solution.py,
-    test_solution.py), ``grader/`` (the test again), ``reference.py``, ``mutation.txt``."""
+    test_solution.py), ``grader/`` (run_cases.py: inputs only), ``reference.py``, ``mutation.txt``."""
     body, what = (info.target, "original") if site is None else mutate(info.target, site)
 
     def build(d: Path) -> None:
-        test = _fill(_TEST, fn, info.cases)
-        for sub in ("workspace", "grader"):
-            (d / sub).mkdir()
-            (d / sub / "test_solution.py").write_text(test)
+        (d / "workspace").mkdir()
+        (d / "grader").mkdir()
+        (d / "workspace" / "test_solution.py").write_text(_fill(_TEST, fn, info.cases))
         (d / "workspace" / "solution.py").write_text(_join(info.prelude, body))
+        (d / "grader" / "run_cases.py").write_text(_runner(fn, info.inputs))
         (d / "reference.py").write_text(_join(info.prelude, info.target))
         (d / "mutation.txt").write_text(what + "\n")
 
@@ -429,11 +715,22 @@ def _info(fn: Function) -> _Info:
     if fn.qualname in _infos:
         return _infos[fn.qualname]
     prelude, target = extract(fn)
-    cases = _expected(fn, _join(prelude, target))
-    sources = [_join(prelude, target)] + [_join(prelude, mutate(target, i)[0]) for i in range(num_sites(target))]
+    original = _join(prelude, target)
+    visible, held_out = fn.cases(), fn.held_out()
+    outcomes = _outcomes(fn, original, visible + held_out)
+    try:
+        cases = _case_lines(visible, outcomes[:len(visible)])
+        inputs = _case_lines(visible + held_out)
+    except ValueError as e:
+        raise ValueError(f"{fn.qualname}: {e}") from None
+    ok, what = judge(CommandResult(0, results_line(outcomes)), tuple(outcomes))
+    if not ok:  # every expected outcome must survive the runner's encoding
+        raise ValueError(f"{fn.qualname}: the expected outcomes do not survive the result encoding: {what}")
+    sources = [original] + [_join(prelude, mutate(target, i)[0]) for i in range(num_sites(target))]
 
     def build(d: Path) -> None:
-        (d / "check.py").write_text(_fill(_CHECK, fn, cases))
+        (d / "check.py").write_text(_fill(_CHECK, fn, _case_lines(visible + held_out, outcomes))
+                                    .replace("__VISIBLE__", str(len(visible))))
         (d / "sources.json").write_text(json.dumps(sources))
 
     res = _run_in_sandbox(task_dir(f"{FAMILY}:{fn.qualname}:check", build), "python3 -I -B check.py")
@@ -443,13 +740,14 @@ def _info(fn: Function) -> _Info:
         raise RuntimeError(f"{FAMILY}: screening the mutants of {fn.qualname} failed: {res.output[-500:]}") from None
     if status[0] != "pass":
         raise RuntimeError(f"{FAMILY}: the recorded cases of {fn.qualname} fail on the original ({status[0]})")
-    info = _Info(prelude, target, cases, tuple(i for i, s in enumerate(status[1:]) if s == "fail"))
+    info = _Info(prelude, target, cases, inputs, tuple(outcomes),
+                 tuple(i for i, s in enumerate(status[1:]) if s == "fail"))
     if not info.valid_sites:
         raise RuntimeError(f"{FAMILY}: no mutation of {fn.qualname} fails its test")
-    original = _build(fn, info, None)
-    res = _run_in_sandbox(original / "workspace", GRADE_COMMAND, original / "grader")
-    if res.exit_code != 0:
-        raise RuntimeError(f"{FAMILY}: test_solution.py of {fn.qualname} fails on the original: {res.output[-500:]}")
+    task = _build(fn, info, None)
+    passed, what = judge(_run_in_sandbox(task / "workspace", GRADE_COMMAND, task / "grader"), info.expected)
+    if not passed:
+        raise RuntimeError(f"{FAMILY}: the grader of {fn.qualname} rejects the original: {what}")
     log.info("%s: %d of %d mutations are valid tasks", fn.qualname, len(info.valid_sites), len(sources) - 1)
     _infos[fn.qualname] = info
     return info
@@ -466,12 +764,18 @@ def select(seed: int, index: int) -> tuple[Function, int, Path]:
         random.Random(f"{FAMILY}:{seed}:{fn.qualname}").shuffle(sites)
         site = sites[(index // len(CATALOG)) % len(sites)]
         task = _build(fn, info, site)
-        if (fn.qualname, site) not in _verified:  # the real test must agree with the screening
-            res = _run_in_sandbox(task / "workspace", GRADE_COMMAND, task / "grader")
-            if res.exit_code == 0:
-                raise RuntimeError(f"{FAMILY}: {fn.qualname} site {site} passed its test but was screened as failing")
+        if (fn.qualname, site) not in _verified:  # the real grader must agree with the screening
+            passed, _ = judge(_run_in_sandbox(task / "workspace", GRADE_COMMAND, task / "grader"), info.expected)
+            if passed:
+                raise RuntimeError(f"{FAMILY}: {fn.qualname} site {site} passed the grader but was screened as failing")
             _verified.add((fn.qualname, site))
         return fn, site, task
+
+
+def expected_outcomes(fn: Function) -> tuple:
+    """The host-side expected outcomes of ``fn``'s runner cases (visible, then held-out)."""
+    with _lock:
+        return _info(fn).expected
 
 
 # ------------------------------------------------------------------------------- environment
@@ -481,10 +785,16 @@ class CodeRepairEnv(SandboxEnv):
     def __init__(self, task_index: int, seed: int = 0, *, max_turns: int = 8,
                  limits: SandboxLimits = SandboxLimits()):
         self.function, self.site, task = select(seed, task_index)
+        self._expected = expected_outcomes(self.function)              # host only, never in the sandbox
+        need = len(results_line(self._expected))
+        if 2 * need + 1024 > limits.max_output_bytes:  # margin: a fix may legitimately differ in size
+            raise ValueError(f"{FAMILY}: limits.max_output_bytes={limits.max_output_bytes} is too small for "
+                             f"the results of {self.function.qualname} (~{need} bytes)")
         self.mutation = (task / "mutation.txt").read_text().strip()   # for logs; not shown to the model
         self.reference_solution = (task / "reference.py").read_text()  # the fixed solution.py
         prompt = (f"The function `{self.function.name}` in solution.py has a bug. Fix solution.py so that "
-                  f"`python3 test_solution.py` passes (it checks recorded examples; editing it does not count).\n"
+                  f"`python3 test_solution.py` passes (it checks recorded examples; editing it does not count, "
+                  f"and the fix is graded on further held-out examples too).\n"
                   f"Run one shell command per turn as <call>COMMAND</call>, e.g. <call>cat solution.py</call> or "
                   f"<call>python3 test_solution.py</call>; edit with sed -i, python3 or a heredoc. The output comes "
                   f"back as <obs>OUTPUT</obs>. You have {max_turns} turns; when done, reply <answer> and a short "
@@ -494,8 +804,9 @@ class CodeRepairEnv(SandboxEnv):
 
     def score(self, answer: str | None) -> tuple[float, dict[str, Any]]:
         res = self.sandbox.run(GRADE_COMMAND)
-        passed = res.exit_code == 0 and not res.timed_out
-        return (1.0 if passed else 0.0), {"tests_passed": passed, "grader_output": res.output[-1000:]}
+        passed, what = judge(res, self._expected)
+        return (1.0 if passed else 0.0), {"tests_passed": passed, "grade": what,
+                                          "grader_output": res.output[-1000:]}
 
 
 register_family(TaskFamily(FAMILY, CodeRepairEnv, None, "fix a mutated stdlib function until its tests pass"))
