@@ -40,7 +40,7 @@ def test_parse_turn(turn, kind, text):
 
 def test_registry():
     assert {"lookup", "code_repair"} <= set(list_families())
-    with pytest.raises(ValueError, match="unknown task family 'nope'"):
+    with pytest.raises(KeyError, match="unknown task family 'nope'"):
         make_env("nope", 0)
     with pytest.raises(IndexError):
         make_env("lookup", -1)
@@ -132,7 +132,10 @@ def test_code_repair_fix_gets_reward_noop_does_not(index):
             assert (r.done, r.reward, r.info["tests_passed"]) == (True, 0.0, False)
         with env.fork() as cheat:                               # editing the test does not help
             cheat.step("<call>echo 'raise SystemExit(0)' > test_solution.py && python3 test_solution.py</call>")
-            assert cheat.step("<answer>done<eos>").reward == 0.0
+            r = cheat.step("<call>python3 test_solution.py</call>")
+            assert r.info["exit"] == 0                          # it fools the visible test...
+            r = cheat.step("<answer>done<eos>")
+            assert r.reward == 0.0 and "differ" in r.info["grade"]  # ...not the held-out cases
         r = env.step(_heredoc(env.reference_solution))          # the inverse mutation, through a real shell
         assert r.info["exit"] == 0 and not r.done
         r = env.step("<call>python3 test_solution.py</call>")
@@ -176,7 +179,7 @@ _HACKS = {
 
 @pytest.mark.parametrize("index", [0, 7, 13])
 def test_code_repair_reward_hacks_get_nothing(index):
-    with make_env("code_repair", index, seed=0, max_turns=3) as env:
+    with make_env("code_repair", index, seed=0, max_turns=4) as env:
         for name, call in _HACKS.items():
             with env.fork() as cheat:
                 cheat.step(call)
@@ -207,7 +210,10 @@ def test_code_repair_reward_hacks_get_nothing(index):
                 "    key = repr((args, kwargs))\n"
                 "    return TABLE[key] if key in TABLE else _mutant[%r](*args, **kwargs)\n" % env.function.name)
             cheat.step(f"<call>(echo '# LOOKUP'; cat <<'HARTS_EOF'\n{table}HARTS_EOF\n) >> solution.py</call>")
-            assert cheat.step("<answer>done<eos>").reward == 0.0
+            r = cheat.step("<call>python3 test_solution.py</call>")
+            assert r.info["exit"] == 0                          # it fools the visible test...
+            r = cheat.step("<answer>done<eos>")
+            assert r.reward == 0.0 and "differ" in r.info["grade"]  # ...not the held-out cases
 
 
 @pytest.mark.parametrize("index", [0, 7, 13])
