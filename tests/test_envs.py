@@ -40,7 +40,7 @@ def test_parse_turn(turn, kind, text):
 
 def test_registry():
     assert {"lookup", "code_repair"} <= set(list_families())
-    with pytest.raises(KeyError, match="unknown task family 'nope'"):
+    with pytest.raises(ValueError, match="unknown task family 'nope'"):
         make_env("nope", 0)
     with pytest.raises(IndexError):
         make_env("lookup", -1)
