@@ -131,7 +131,7 @@ class TrainerWorker:
 
     def export(self, version: str) -> tuple[str, dict]:
         path, stats = self.sync.export(self.trainer.model, version)
-        return str(path), asdict(stats) if hasattr(stats, "__dataclass_fields__") else dict(stats)
+        return str(path), stats.to_dict()
 
     def train_step(self, trajectories) -> dict:
         return self.trainer.train_step(trajectories)
@@ -207,10 +207,11 @@ class RLLoop:
                         Worker.remote(urls, cfg.family, cfg.rollout, cfg.seed) for _ in range(cfg.rollout_workers)]
 
     def _push(self, path: str, version: str, urls: list[str] | None = None) -> float:
+        """Every engine loads the checkpoint at ``path`` (in parallel); returns seconds."""
         from .engines import HttpEngine
+        from .weight_sync import push_weights
         t0 = time.perf_counter()
-        for u in urls or self.urls:
-            HttpEngine(u).update_weights_from_disk(path, version)
+        push_weights([HttpEngine(u) for u in urls or self.urls], path, version)
         return time.perf_counter() - t0
 
     def close(self):

@@ -89,16 +89,6 @@ class HartsTrainer:
             cpu_shim.destroy_cpu_model_parallel()
             self._owns_cpu = False
 
-    # -- weights ----------------------------------------------------------------------------------
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights in the engine's (Hugging Face) layout, on the host."""
-        sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        return convert.megatron_to_hf(sd, self.hf_config)
-
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        _, msd = convert.hf_to_megatron(sd, self.hf_config)
-        convert.load_megatron_state_dict(self.model, {k: v.to(self._param_device) for k, v in msd.items()})
-
     @property
     def _param_device(self) -> torch.device:
         return next(self.model.parameters()).device

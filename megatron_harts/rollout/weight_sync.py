@@ -508,6 +508,48 @@ def _safe_name(version: str) -> str:
     return s
 
 
+def push_weights(engines: Sequence[Any], path, version: str, *, raise_on_error: bool = True,
+                 stats: SyncStats | None = None) -> dict[str, float]:
+    """Call ``engine.update_weights_from_disk(path, version)`` on every engine, in parallel
+    threads; returns ``{engine name: seconds it reported}``. Engines that fail are logged;
+    with ``raise_on_error`` a ``RuntimeError`` naming each failed engine is raised after all
+    finished. ``stats`` (e.g. from :meth:`WeightSync.export`) receives ``push_s`` / ``engine_s``."""
+    path = str(path)
+    if not engines:
+        return {}
+    names, seen = [], {}
+    for i, e in enumerate(engines):
+        n = str(getattr(e, "name", None) or f"engine{i}")
+        seen[n] = seen.get(n, 0) + 1
+        names.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    t0 = time.perf_counter()
+
+    def one(e):
+        s = time.perf_counter()
+        reported = e.update_weights_from_disk(path, version)
+        return float(reported) if reported is not None else time.perf_counter() - s
+
+    times: dict[str, float] = {}
+    errors: dict[str, BaseException] = {}
+    with ThreadPoolExecutor(max_workers=min(32, len(engines))) as pool:
+        futs = {n: pool.submit(one, e) for n, e in zip(names, engines)}
+        for n, f in futs.items():
+            try:
+                times[n] = f.result()
+            except Exception as exc:      # noqa: BLE001 - collected and re-raised below
+                errors[n] = exc
+                logger.error("engine %s: update_weights_from_disk(%s, %s) failed: %s", n, path, version, exc)
+    wall = time.perf_counter() - t0
+    if stats is not None:
+        stats.push_s, stats.engine_s = wall, dict(times)
+    logger.info("push %s to %d engine(s): %.3fs wall (%s)", version, len(engines), wall,
+                ", ".join(f"{n} {s:.3f}s" for n, s in times.items()))
+    if errors and raise_on_error:
+        raise RuntimeError(f"weight update to {version} failed on {len(errors)}/{len(engines)} engine(s): "
+                           + "; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in errors.items()))
+    return times
+
+
 class WeightSync:
     """Export a Megatron model as an HF checkpoint and make the rollout engines load it.
 
@@ -581,44 +623,8 @@ class WeightSync:
 
     def push(self, engines: Sequence[Any], path, version: str, *, raise_on_error: bool = True,
              stats: SyncStats | None = None) -> dict[str, float]:
-        """Call ``engine.update_weights_from_disk(path, version)`` on every engine, in parallel
-        threads; returns ``{engine name: seconds it reported}``. Engines that fail are logged;
-        with ``raise_on_error`` a ``RuntimeError`` naming each failed engine is raised after all
-        finished. ``stats`` (e.g. from :meth:`export`) receives ``push_s`` / ``engine_s``."""
-        path = str(path)
-        if not engines:
-            return {}
-        names, seen = [], {}
-        for i, e in enumerate(engines):
-            n = str(getattr(e, "name", None) or f"engine{i}")
-            seen[n] = seen.get(n, 0) + 1
-            names.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
-        t0 = time.perf_counter()
-
-        def one(e):
-            s = time.perf_counter()
-            reported = e.update_weights_from_disk(path, version)
-            return float(reported) if reported is not None else time.perf_counter() - s
-
-        times: dict[str, float] = {}
-        errors: dict[str, BaseException] = {}
-        with ThreadPoolExecutor(max_workers=min(32, len(engines))) as pool:
-            futs = {n: pool.submit(one, e) for n, e in zip(names, engines)}
-            for n, f in futs.items():
-                try:
-                    times[n] = f.result()
-                except Exception as exc:      # noqa: BLE001 - collected and re-raised below
-                    errors[n] = exc
-                    logger.error("engine %s: update_weights_from_disk(%s, %s) failed: %s", n, path, version, exc)
-        wall = time.perf_counter() - t0
-        if stats is not None:
-            stats.push_s, stats.engine_s = wall, dict(times)
-        logger.info("push %s to %d engine(s): %.3fs wall (%s)", version, len(engines), wall,
-                    ", ".join(f"{n} {s:.3f}s" for n, s in times.items()))
-        if errors and raise_on_error:
-            raise RuntimeError(f"weight update to {version} failed on {len(errors)}/{len(engines)} engine(s): "
-                               + "; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in errors.items()))
-        return times
+        """:func:`push_weights`."""
+        return push_weights(engines, path, version, raise_on_error=raise_on_error, stats=stats)
 
     def sync(self, megatron_model_or_state_dict, version: str, engines: Sequence[Any] = ()) -> SyncStats:
         """:meth:`export` then :meth:`push`; returns the stats of both."""
