@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-env", action="append", default=[])
     ap.add_argument("--engine-args", default="--mem-fraction-static 0.25 --disable-cuda-graph")
     ap.add_argument("--attention-backend", default="torch")
+    ap.add_argument("--old-logprobs", default="trainer", choices=["trainer", "engine"])
     ap.add_argument("--engine", default="sglang", help="embedded + --device cpu: a dry run of this script on CPU")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--weights-dir", default="/dev/shm/harts_rl", help="checkpoints (RAM disk: no disk write)")
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
                       rollout=RolloutConfig(group_size=a.group_size, branch_turn=1, branch_factor=a.branch_factor,
                                             max_turns=2, max_new_tokens=8, max_concurrency=64),
                       model=a.model, lr=a.lr, chunk_size=64, device=a.device, seed=0,
-                      sft_warmup_steps=a.warmup, warmup_lr=a.warmup_lr, attention_backend=a.attention_backend)
+                      sft_warmup_steps=a.warmup, warmup_lr=a.warmup_lr, attention_backend=a.attention_backend,
+                      old_logprobs=a.old_logprobs)
     runs, servers, urls = {}, [], []
     try:
         for trainer in a.trainers.split(","):
