@@ -97,8 +97,8 @@ def main(argv=None) -> int:
             shutil.rmtree(cfg.weights_dir or out / trainer / "weights", ignore_errors=True)   # not results
             if not urls:
                 servers = loop.servers
-                urls = [s.url for s in servers]
-                runs[trainer]["engine_start_s"] = [getattr(s, "startup_s", None) for s in servers]
+                urls = [s.url() for s in servers]
+                runs[trainer]["engine_start_s"] = [s.startup_s() for s in servers]
             json.dump({"config": json.loads(json.dumps(vars(a))), "runs": runs}, open(out / "rollout.json", "w"),
                       indent=1, default=str)
     finally:

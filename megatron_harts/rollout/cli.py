@@ -12,9 +12,8 @@ GPU (SGLang 0.5.x installed; the trainer on the same GPU)::
 or against running servers: ``--engine-urls http://host:30000,http://host:30001``. Prints one
 line per step (reward, compression, rollout / train / sync seconds, rollout-train log-prob
 mismatch) and writes ``<out>/rollout.json``. ``--trainer traj`` trains the same loop
-trajectory-wise (the baseline). ``--ray`` runs the environment workers and the trainer as Ray
-actors (a local cluster is started unless ``RAY_ADDRESS`` points to one); engine servers are
-subprocesses of the driver or given by URL.
+trajectory-wise (the baseline). ``--ray`` runs the engines, the environment workers and the
+trainer as Ray actors (a local cluster is started unless ``RAY_ADDRESS`` points to one).
 """
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--steps", type=int, default=2)
     g.add_argument("--out", default="out/rl", help="run directory (checkpoints, engine logs, rollout.json)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--ray", action="store_true", help="rollout workers and the trainer as Ray actors")
+    g.add_argument("--ray", action="store_true", help="engines, rollout workers and the trainer as Ray actors")
     g = ap.add_argument_group("engine")
     g.add_argument("--engine", choices=["embedded", "sglang"], default="embedded",
                    help="embedded: in-process transformers server (CPU default); sglang: SGLang servers")

@@ -8,11 +8,12 @@ Pieces (each small and replaceable, composed here):
   task family (:mod:`.envs`), on the engines' URLs;
 * :class:`TrainerWorker`: the Megatron trainer (:class:`~.trainer.HartsTrainer`) and the export of
   its weights as a Hugging Face checkpoint (:class:`~.weight_sync.WeightSync`);
-* :class:`RLLoop`: the driver. With ``use_ray=True`` the trainer and the rollout workers are Ray
-  actors (``ray.remote`` of the same classes), so environment workers and the trainer can sit on
-  different nodes; without Ray they are plain objects in this process (tests, debugging). Engine
-  servers are the driver's subprocesses or given by URL; checkpoints reach them as a path (a
-  shared file system across nodes).
+* :class:`EngineWorker`: one engine server it starts and owns;
+* :class:`RLLoop`: the driver. With ``use_ray=True`` engines, rollout workers and the trainer are
+  Ray actors (``ray.remote`` of the same classes); without Ray they are plain objects in this
+  process (tests, debugging). Engine URLs are loopback addresses and checkpoints reach engines as
+  a path: one node today (across nodes: servers bound to the node's address and a shared file
+  system, not done).
 
 Per step the driver records ``{step, engine, trainer, rollout_s, train_s, sync_s, compression,
 reward_mean, logprob_mismatch_max, ...}``; ``logprob_mismatch_*`` compares the engine's log-probs
@@ -117,6 +118,27 @@ def demonstrations(family: str, tasks: list[int], group_ids: list[str], seed: in
     return out
 
 
+class EngineWorker:
+    """One engine server (``sglang`` or ``embedded``) owned by this object's process: with Ray an
+    actor, placed by Ray (the server runs on that actor's node and dies with it). Methods, not
+    attributes, so the same calls work on the actor handle."""
+
+    def __init__(self, kind: str, model_path: str, *, log_path: str, extra_args: list[str], env: dict[str, str],
+                 weight_version: str):
+        from .engines import start_engine
+        self.server = start_engine(kind, model_path, log_path=log_path, extra_args=list(extra_args),
+                                   weight_version=weight_version, env=dict(env))
+
+    def url(self) -> str:
+        return self.server.url
+
+    def startup_s(self) -> float | None:
+        return self.server.startup_s
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 class TrainerWorker:
     """The trainer and its weight export; lives where the training GPU is."""
 
@@ -184,7 +206,7 @@ class RLLoop:
     # -- setup / teardown ------------------------------------------------------------------------
     def _start(self):
         cfg, ray_ = self.cfg, self.cfg.use_ray
-        Trainer = _remote(TrainerWorker, ray_, num_cpus=0, num_gpus=1 if cfg.device == "cuda" and ray_ else 0)
+        Trainer = _remote(TrainerWorker, ray_, num_cpus=0, num_gpus=0.5 if cfg.device == "cuda" and ray_ else 0)
         kw = dict(tree=cfg.trainer == "tree", lr=cfg.lr, chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed,
                   attention_backend=cfg.attention_backend, old_logprobs=cfg.old_logprobs)
         weights = cfg.weights_dir or str(self.out / "weights")
@@ -193,12 +215,13 @@ class RLLoop:
         logger.info("initial weights v0 exported to %s (%.2f s)", path, stats.get("seconds", float("nan")))
         urls = list(cfg.engine_urls)
         if not urls:
-            from .engines import start_engine
+            gpu = 0.5 if cfg.engine == "sglang" and ray_ else 0       # colocated with the trainer on one GPU
+            Engine = _remote(EngineWorker, ray_, num_cpus=0, num_gpus=gpu)
             for i in range(cfg.num_engines):
-                srv = start_engine(cfg.engine, path, log_path=str(self.out / f"engine{i}.log"),
-                                   extra_args=list(cfg.engine_args), weight_version="v0", env=dict(cfg.engine_env))
-                self.servers.append(srv)
-                urls.append(srv.url)
+                ekw = dict(log_path=str(self.out / f"engine{i}.log"), extra_args=list(cfg.engine_args),
+                           env=dict(cfg.engine_env), weight_version="v0")
+                self.servers.append(Engine.remote(cfg.engine, path, **ekw) if ray_ else Engine(cfg.engine, path, **ekw))
+            urls = _get([_call(e, "url", use_ray=ray_) for e in self.servers], ray_)
         else:
             self._push(path, "v0", urls)
         self.urls = urls
@@ -216,8 +239,7 @@ class RLLoop:
 
     def close(self):
         if not self.cfg.keep_engines:
-            for s in self.servers:
-                s.stop()
+            _get([_call(s, "stop", use_ray=self.cfg.use_ray) for s in self.servers], self.cfg.use_ray)
             self.servers = []
         if self.cfg.use_ray:
             import ray
