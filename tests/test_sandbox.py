@@ -158,3 +158,36 @@ def test_run_overhead(sb):
         assert sb.run("true").exit_code == 0
     per_call = (time.monotonic() - t0) / 5
     assert per_call < 0.5, f"{per_call:.3f} s per command"
+
+
+def test_sandboxes_of_killed_processes_are_swept(tmp_path):
+    """A process SIGKILLed with a sandbox open leaves its mounts; the next process's first sandbox
+    in the same directory removes them."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from megatron_harts.rollout import sandbox as sb
+
+    base = tmp_path / "base"
+    base.mkdir()
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from megatron_harts.rollout.sandbox import Sandbox
+        s = Sandbox({str(base)!r}, root={str(roots)!r})
+        print(s.merged, flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    merged = p.stdout.readline().strip()
+    assert merged and os.path.ismount(merged)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert os.path.ismount(merged)                     # left behind
+    sb._swept.discard(str(roots))
+    with sb.Sandbox(base, root=roots) as s:
+        assert not os.path.ismount(merged) and not os.path.exists(os.path.dirname(merged))
+        assert s.run("true").exit_code == 0

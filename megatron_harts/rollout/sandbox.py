@@ -125,6 +125,39 @@ def _teardown(root: Path, merged: Path, fs: Path, cgroup: Path | None) -> None:
             time.sleep(0.02 * (attempt + 1))
 
 
+_swept: set[str] = set()
+_swept_lock = threading.Lock()
+
+
+def sweep_stale(parent: str | Path | None = None) -> int:
+    """Unmount and delete the sandboxes under ``parent`` (default: the temp dir) left by processes
+    that no longer exist (killed before their finalizers ran; the roots are named
+    ``harts-sbx-<pid>-*``). Runs once per directory and process before the first sandbox there;
+    returns how many were removed."""
+    parent = Path(parent or tempfile.gettempdir())
+    with _swept_lock:
+        if str(parent) in _swept:
+            return 0
+        _swept.add(str(parent))
+    removed = 0
+    for d in parent.glob("harts-sbx-*-*"):
+        try:
+            pid = int(d.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            continue                      # its owner is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        log.warning("sandbox: removing %s left by process %d", d, pid)
+        _teardown(d, d / "merged", d / "fs", None)
+        removed += 1
+    return removed
+
+
 _pids_parent: Path | None | bool = False  # False: not looked up yet
 _pids_lock = threading.Lock()
 
@@ -238,7 +271,8 @@ class Sandbox:
             if not host.exists() or not inside.startswith("/"):
                 raise SandboxError(f"sandbox ro_binds: {host} does not exist or {inside!r} is not absolute")
         self._bwrap = _bwrap_base_args()
-        self.root = Path(tempfile.mkdtemp(prefix="harts-sbx-", dir=root))
+        sweep_stale(root)
+        self.root = Path(tempfile.mkdtemp(prefix=f"harts-sbx-{os.getpid()}-", dir=root))
         self._fs, self.merged = self.root / "fs", self.root / "merged"
         self.upper, self._work = self._fs / "upper", self._fs / "work"
         self._snapshots = self.root / "snapshots"
