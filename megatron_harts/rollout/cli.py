@@ -53,7 +53,7 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--branch-turn", type=int, default=1, help="fork running episodes after this turn (0: never)")
     g.add_argument("--branch-factor", type=int, default=2)
     g.add_argument("--max-turns", type=int, help="model turns per episode (default: the task family's)")
-    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--max-new-tokens", type=int, default=8, help="per model turn")
     g.add_argument("--max-context-tokens", type=int, default=2048)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--max-concurrency", type=int, default=16)
