@@ -53,7 +53,6 @@ def batched_logprobs(model, trajectories: list[list[int]], rows: int = 64) -> li
 
 def run_one(model_spec: dict, trajectories: list[list[int]]) -> dict:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    from transformers.models.qwen3_next import modeling_qwen3_next as mq
 
     torch.manual_seed(model_spec["seed"])
     config = Qwen3NextConfig(**model_spec["config"])
@@ -63,6 +62,15 @@ def run_one(model_spec: dict, trajectories: list[list[int]]) -> dict:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("dt_bias"):
                 p.add_(torch.randn_like(p) * std)
+    return {"config": config.to_dict(), "state_dict": model.state_dict(), **checked_logprobs(model, trajectories)}
+
+
+def checked_logprobs(model, trajectories: list[list[int]]) -> dict:
+    """``{"logprobs", "torch_path", "alone_vs_batched"}``: every trajectory's log-probs
+    (:func:`batched_logprobs`), whether transformers took its torch GDN / conv path, and the largest
+    difference of the batch to single ``[1, L]`` forwards of a few trajectories."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as mq
+
     # each kernel-capable function wraps its torch reference and the implementation it chose
     torch_path = all(inspect.getclosurevars(f).nonlocals.get("is_new_implementation") is False
                      for f in (mq.torch_chunk_gated_delta_rule, mq.causal_conv1d_fn))
@@ -72,8 +80,7 @@ def run_one(model_spec: dict, trajectories: list[list[int]]) -> dict:
         some = sorted(range(len(trajectories)), key=lambda i: -len(trajectories[i]))[:2] + [0, len(trajectories) - 1]
         alone_err = max(float((alone_logprobs(model, trajectories[i]) - logprobs[i]).abs().max())
                         for i in set(some) if len(trajectories[i]) > 1)
-    return {"config": config.to_dict(), "state_dict": model.state_dict(), "logprobs": logprobs,
-            "torch_path": torch_path, "alone_vs_batched": alone_err}
+    return {"logprobs": logprobs, "torch_path": torch_path, "alone_vs_batched": alone_err}
 
 
 def main(inp: str, outp: str) -> None:
