@@ -247,6 +247,8 @@ def test_abort_running_and_queued(engine):
     engine.abort("long-2")
     t2.join(30)
     assert b2["gen"].finish_reason == "abort" and b2["gen"].output_ids == []
+    # long-1 has tokens to hand back once it has decoded some (a slow CI core may not have yet)
+    _wait_for(lambda: engine.load()["tokens_in_flight"] > len(PROMPT) + 2)
     engine.abort("long-1")
     t1.join(30)
     assert time.monotonic() - t0 < 10.0
