@@ -7,6 +7,11 @@ Both sides run the same model and weights on the same global batch (GRPO-style r
             through the same tree layers, which reduce to varlen GDN and, for attention,
             FlashAttention varlen where torch has it, else FlexAttention with the document-causal
             mask), balanced into microbatches of <= --capacity trajectory tokens by LPT on tokens
+Every timed step is a new global batch (``--warmup-batches`` batches of other seeds first, then
+``--max-steps`` steps of seeds --seed, --seed+1, ...; both sides get the same trajectories): the
+step's wall time holds planning, packing, host-to-device copies, per-pack plans / block masks and
+forward + backward, reported as min / median / max with the host part separately; speedup from the
+medians. ``--same-batch`` is the older protocol (one batch packed before the timing, reused).
 Per (model, workload, recompute): forward / backward ms summed over microbatches (gradient time,
 optimizer excluded; ``step`` adds one fused AdamW step, lr 0 so weights stay put), trajectory
 tokens/s, peak memory (GiB), linear-attention rounds (sum over microbatches of each GDN layer's
@@ -105,10 +110,14 @@ def pad_to(trees: list, multiple: int, vocab: int, rng: np.random.Generator, cha
     return trees + [RolloutTree([dummy], merge_prefixes=not chains)], pad
 
 
-def microbatches(trajs: list, side: str, args, cost_model, device, shuffle: int | None = None) -> list[dict]:
+def microbatches(trajs: list, side: str, args, cost_model, device, shuffle: int | None = None,
+                 times: dict | None = None) -> list[dict]:
     """Device packs of one side: ``harts`` (planner) or ``baseline`` (chains, LPT on tokens;
-    ``shuffle`` = seed of a random trajectory order for the rerun)."""
+    ``shuffle`` = seed of a random trajectory order for the rerun). ``times`` (if given) gets the
+    host milliseconds of ``plan`` (planner / LPT), ``pack`` (tree layout + chunk plans, numpy) and
+    ``copy`` (host-to-device copies of packs and loss weights)."""
     rng = np.random.default_rng(args.seed)
+    t_plan = time.perf_counter()
     if side == "harts":
         trees = trees_from_trajectories(trajs)
         p = plan(trees, dp_size=1, microbatch_capacity=args.capacity, cost_model=cost_model, chunk_size=args.chunk_size)
@@ -125,16 +134,27 @@ def microbatches(trajs: list, side: str, args, cost_model, device, shuffle: int 
             mb = np.arange(len(order)) % M
         mbs = [[RolloutTree([trajs[order[i]] for i in np.flatnonzero(mb == m)], merge_prefixes=False)]
                for m in range(M) if (mb == m).any()]
-    out = []
+    t_pack = time.perf_counter()
+    out, copy_s = [], 0.0
     for trees in filter(None, mbs):     # the planner may leave a microbatch empty
         trees, pad = pad_to(trees, args.pad_multiple, args.vocab, rng, chains=side != "harts")
-        pk = pack(trees, chunk_size=args.chunk_size).to(device)
+        pk = pack(trees, chunk_size=args.chunk_size)
+        rounds = chunk_plan(pk, args.chunk_size).num_rounds      # host plan, shared by the device copy
         real = [r for r in pk.trajectories if r.traj_id != "__pad__"]
-        w = [torch.as_tensor(np.asarray(r.loss_mask[1:], np.float32) * float(r.advantage or 0.0), device=device)
+        w = [torch.from_numpy(np.asarray(r.loss_mask[1:], np.float32) * np.float32(r.advantage or 0.0))
              for r in pk.trajectories]
+        t_copy = time.perf_counter()
+        pk, w = pk.to(device), [x.to(device) for x in w]
+        copy_s += time.perf_counter() - t_copy
         out.append(dict(pack=pk, weights=w, pad=pad, ids=[r.traj_id for r in pk.trajectories],
-                        traj_tokens=sum(len(r) for r in real), compact=pk.num_tokens - pad,
-                        rounds=chunk_plan(pk, args.chunk_size).num_rounds))
+                        traj_tokens=sum(len(r) for r in real), compact=pk.num_tokens - pad, rounds=rounds))
+    if times is not None:
+        t_sync = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t_end = time.perf_counter()
+        copy_s += t_end - t_sync
+        times.update(plan=1e3 * (t_pack - t_plan), pack=1e3 * (t_end - t_pack - copy_s), copy=1e3 * copy_s)
     return out
 
 
@@ -355,12 +375,122 @@ def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, arg
     return row
 
 
+def spread(xs: list[float]) -> dict:
+    return dict(min=min(xs), median=statistics.median(xs), max=max(xs))
+
+
+def batch_seeds(args) -> tuple[list[int], list[int]]:
+    """Workload seeds of the warm-up batches and of the timed steps (all different: every timed
+    step is a new global batch; the first timed batch is the ``--seed`` batch of same-batch runs)."""
+    return ([args.seed + 10_000 + i for i in range(args.warmup_batches)],
+            [args.seed + k for k in range(args.max_steps)])
+
+
+def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: dict[int, list], args, device) -> dict:
+    """One row as training meets it: ``--warmup-batches`` global batches (compile / autotune on
+    other data), then ``--max-steps`` timed steps per side, each on a new global batch (both sides
+    get the same trajectories, the side that goes first alternates). A step's wall time holds
+    planning, packing, host-to-device copies, every per-pack plan / block-mask build and the
+    forward + backward of all microbatches; those parts are reported too. Speedup from medians."""
+    clock = Clock(device)
+    cm = cost_model_for(model_name, args)
+    warm, timed = batch_seeds(args)
+    norm_of = lambda trajs: float(sum(max(int(np.sum(t.loss_mask)), 0) for t in trajs)) or 1.0  # noqa: E731
+    for i, seed in enumerate(warm):
+        trajs = batches[seed]
+        t0 = time.perf_counter()
+        for side in ("baseline", "harts"):
+            a = argparse.Namespace(**{**vars(args), "seed": seed})
+            train_step(model, microbatches(trajs, side, a, cm, device), norm_of(trajs), clock)
+        log(f"{model_name} {wl}: warm-up batch {i + 1}/{len(warm)} (both sides) {time.perf_counter() - t0:.1f} s")
+    model.zero_grad(set_to_none=True)
+    steps = {s: [] for s in ("baseline", "harts")}
+    lps, peak = {}, {s: 0.0 for s in steps}
+    for k, seed in enumerate(timed):
+        trajs = batches[seed]
+        a = argparse.Namespace(**{**vars(args), "seed": seed})
+        norm = norm_of(trajs)
+        for side in (("baseline", "harts") if k % 2 == 0 else ("harts", "baseline")):
+            reset_peak(device)
+            times: dict = {}
+            clock.sync()
+            t0 = time.perf_counter()
+            mbs = microbatches(trajs, side, a, cm, device, times=times)
+            fm, bm, lp = train_step(model, mbs, norm, clock, keep_logprobs=k == 0)
+            wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
+            peak[side] = max(peak[side], peak_gib(device))
+            if k == 0:
+                lps[side] = lp
+            steps[side].append(dict(seed=seed, wall_ms=wall, fwd_ms=fm, bwd_ms=bm, grad_ms=fm + bm,
+                                    host_ms=times["plan"] + times["pack"] + times["copy"], plan_ms=times["plan"],
+                                    pack_ms=times["pack"], copy_ms=times["copy"], microbatches=len(mbs),
+                                    traj_tokens=sum(len(t) for t in trajs),
+                                    compact_tokens=sum(m["compact"] for m in mbs),
+                                    pad_tokens=sum(m["pad"] for m in mbs), rounds=sum(m["rounds"] for m in mbs)))
+            del mbs
+        log(f"{model_name} {wl} step {k + 1}/{len(timed)}: " + ", ".join(
+            f"{s} {steps[s][-1]['wall_ms']:.0f} ms (host {steps[s][-1]['host_ms']:.0f})" for s in steps))
+    tok = sum(st["traj_tokens"] for st in steps["baseline"])
+    row = dict(model=model_name, workload=wl, recompute=recompute, fresh_batches=True, steps=len(timed),
+               warmup_batches=len(warm), trajectories=len(batches[timed[0]]), trajectory_tokens=tok // len(timed))
+    for side, st in steps.items():
+        wall = [x["wall_ms"] for x in st]
+        row[side] = dict(steps=st, wall_ms=spread(wall), grad_ms_spread=spread([x["grad_ms"] for x in st]),
+                         host_ms=spread([x["host_ms"] for x in st]), plan_ms=statistics.median(x["plan_ms"] for x in st),
+                         pack_ms=statistics.median(x["pack_ms"] for x in st),
+                         copy_ms=statistics.median(x["copy_ms"] for x in st),
+                         fwd_ms=statistics.median(x["fwd_ms"] for x in st), bwd_ms=statistics.median(x["bwd_ms"] for x in st),
+                         grad_ms=statistics.median(x["grad_ms"] for x in st),
+                         microbatches=statistics.mean(x["microbatches"] for x in st),      # per step
+                         compact_tokens=sum(x["compact_tokens"] for x in st) // len(st),
+                         pad_tokens=sum(x["pad_tokens"] for x in st) // len(st),
+                         rounds=statistics.mean(x["rounds"] for x in st),
+                         max_rounds=max(x["rounds"] for x in st), peak_gib=peak[side],
+                         tokens_per_s=tok / (sum(wall) / 1e3))
+    if args.profile:
+        trajs = batches[timed[-1]]
+        for side in steps:
+            profile_step(model, microbatches(trajs, side, args, cm, device), norm_of(trajs), clock, os.path.join(
+                args.out, f"profile_{model_name}_{wl.replace(':', '')}_{'rc' if recompute else 'norc'}_{side}.txt"))
+    o = opt_ms(model, clock)
+    for side in steps:
+        row[side]["opt_ms"] = o
+        row[side]["step_ms"] = row[side]["wall_ms"]["median"] + o
+    model.zero_grad(set_to_none=True)
+    trajs0 = batches[timed[0]]
+    a0 = argparse.Namespace(**{**vars(args), "seed": timed[0]})
+    if args.rerun:
+        rerun = forward_logprobs(model, microbatches(trajs0, "baseline", a0, cm, device, shuffle=timed[0] + 1))
+        row["lp_diff_rerun"] = lp_diff(rerun, lps["baseline"])
+        if baseline_attention(device) == "varlen":       # the tree side runs FlexAttention: kernel noise
+            try:
+                with attention_backend(model, "flex"):
+                    flex = forward_logprobs(model, microbatches(trajs0, "baseline", a0, cm, device))
+                row["lp_diff_baseline_flex"] = lp_diff(flex, lps["baseline"])
+            except Exception as e:                        # keep the timed row
+                row["lp_diff_baseline_flex_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    row["lp_diff_harts"] = lp_diff(lps["harts"], lps["baseline"])
+    # compression pooled over the timed batches; speedups from the medians of the per-step times
+    row["compression"] = tok / sum(x["compact_tokens"] for x in steps["harts"])
+    row["speedup"] = row["baseline"]["wall_ms"]["median"] / row["harts"]["wall_ms"]["median"]
+    row["speedup_gpu"] = row["baseline"]["grad_ms"] / row["harts"]["grad_ms"]
+    row["speedup_range"] = [row["baseline"]["wall_ms"]["min"] / row["harts"]["wall_ms"]["max"],
+                            row["baseline"]["wall_ms"]["max"] / row["harts"]["wall_ms"]["min"]]
+    row["speedup_with_opt"] = row["baseline"]["step_ms"] / row["harts"]["step_ms"]
+    row["target"] = 0.9 * row["compression"]
+    row["meets_target"] = row["speedup"] >= row["target"] and (wl != "swe" or not recompute or row["speedup"] >= 5)
+    return row
+
+
 # ------------------------------------------------------------------------------------------------ output
 
 def table(rows: list[dict]) -> list[str]:
     head = ("| model | workload | recompute | traj tokens | compression | base ms | harts ms | speedup | target "
             "| w/ opt | base GiB | harts GiB | rounds b/h | lp diff h-b max/mean | lp diff rerun max/mean "
             "| lp diff flex-b max/mean | base attn | met |")
+    rows = [r for r in rows if not r.get("fresh_batches")]
+    if not rows:
+        return []
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         b, h = r["baseline"], r["harts"]
@@ -372,6 +502,29 @@ def table(rows: list[dict]) -> list[str]:
                      f"| {b['rounds']}/{h['rounds']} | {r['lp_diff_harts']['max']:.2e}/{r['lp_diff_harts']['mean']:.1e} "
                      f"| {rr} | {fb} "
                      f"| {r.get('baseline_attention', 'flex')} | {'yes' if r['meets_target'] else 'no'} |")
+    return lines
+
+
+def table_fresh(rows: list[dict]) -> list[str]:
+    """Rows measured on a new global batch every step: step wall time (plan + pack + copies +
+    forward/backward) median [min-max] per side, its host part, the forward/backward part."""
+    rows = [r for r in rows if r.get("fresh_batches")]
+    if not rows:
+        return []
+    head = ("| model | workload | recompute | steps | traj tokens/step | compression | base step ms med [min-max] "
+            "| harts step ms med [min-max] | base host ms | harts host ms | speedup [range] | fwd+bwd speedup "
+            "| target | base GiB | harts GiB | lp diff h-b max | lp diff rerun max | lp diff flex-b max | met |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        b, h = r["baseline"], r["harts"]
+        w = lambda d: f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]"  # noqa: E731
+        rr, fb = (f"{d['max']:.2e}" if d else "-" for d in (r.get("lp_diff_rerun"), r.get("lp_diff_baseline_flex")))
+        lines.append(f"| {r['model']} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['steps']} "
+                     f"| {r['trajectory_tokens']} | {r['compression']:.2f} | {w(b['wall_ms'])} | {w(h['wall_ms'])} "
+                     f"| {b['host_ms']['median']:.1f} | {h['host_ms']['median']:.1f} "
+                     f"| {r['speedup']:.2f} [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}] "
+                     f"| {r['speedup_gpu']:.2f} | {r['target']:.2f} | {b['peak_gib']:.1f} | {h['peak_gib']:.1f} "
+                     f"| {r['lp_diff_harts']['max']:.2e} | {rr} | {fb} | {'yes' if r['meets_target'] else 'no'} |")
     return lines
 
 
@@ -404,11 +557,22 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
     lines += [f"- `{command_line(x.get('argv', []))}`: microbatch capacity "
               f"{x.get('capacity')} tokens" + (f", packs padded to a multiple of {x['pad_multiple']} tokens"
                                                if x.get("pad_multiple") else "") for x in metas]
-    lines += [""] + table(rows)
+    fresh = table_fresh(rows)
+    if fresh:
+        lines += ["", "## New global batch every step (as training meets it)", "",
+                  f"{m.get('warmup_batches', '?')} warm-up batches, then each timed step on a new batch (same "
+                  "trajectories on both sides). Step ms = wall clock of planning, packing, host-to-device copies, "
+                  "per-pack plans / block masks and forward + backward of all microbatches; host ms = the planning, "
+                  "packing and copy part; speedup from the median step times, [range] = min/max ratio over steps.",
+                  ""] + fresh
+    if len(fresh) < len(rows):
+        lines += ["", "## Same batch every step (history: packs built once, outside the timing)", ""] + table(rows)
     fig, ax = plt.subplots(figsize=(5.5, 4.2))
-    for key in sorted({(r["model"], r["recompute"]) for r in rows}):
-        pts = sorted((r["compression"], r["speedup"], r["workload"]) for r in rows if (r["model"], r["recompute"]) == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{key[0]}, recompute {'on' if key[1] else 'off'}")
+    for key in sorted({(r["model"], r["recompute"], bool(r.get("fresh_batches"))) for r in rows}):
+        pts = sorted((r["compression"], r["speedup"], r["workload"]) for r in rows
+                     if (r["model"], r["recompute"], bool(r.get("fresh_batches"))) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if key[2] else "x--",
+                label=f"{key[0]}, recompute {'on' if key[1] else 'off'}" + (", new batch/step" if key[2] else ", same batch"))
         for c, s, w in pts:
             if not w.startswith("sweep"):
                 ax.annotate(w, (c, s), fontsize=7)
@@ -439,7 +603,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="swe,tau,sweep", help="swe, tau, sweep (= every --compressions), sweep:C")
     ap.add_argument("--recompute", choices=["on", "off", "both"], default="both")
     ap.add_argument("--compressions", default="2,4,6,8,10")
-    ap.add_argument("--max-steps", type=int, default=2, help="timed global-batch steps per side (median)")
+    ap.add_argument("--max-steps", type=int, default=None, help="timed global-batch steps per side (median; "
+                    "default 5, or 2 with --same-batch)")
+    ap.add_argument("--warmup-batches", type=int, default=2, help="global batches run before the timed steps "
+                    "(compilation, autotuning; other seeds than the timed ones)")
+    ap.add_argument("--same-batch", action="store_true", help="the old protocol: one batch, packed once outside "
+                    "the timing, every timed step reuses it (rows of docs/benchmarks before 2026-12-01)")
     ap.add_argument("--capacity", type=int, default=0, help="max tokens per microbatch (0: 65536 with "
                     "recompute, 32768 without; tiny: 256)")
     ap.add_argument("--pad-multiple", type=int, default=0, help="pad whole packs to a multiple of this many "
@@ -456,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
     add_save_fla_configs_arg(ap)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args(argv)
+    if args.max_steps is None:
+        args.max_steps = 2 if args.same_batch else 5
+    if args.max_steps < 1 or args.warmup_batches < 0:
+        ap.error("--max-steps must be >= 1 and --warmup-batches >= 0")
     if args.watchdog:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
     os.makedirs(args.out, exist_ok=True)
@@ -468,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
             failed += d.get("failed", [])
             metas.append(d["meta"])
         render(rows, metas, args.out, failed)
-        print("\n".join(table(rows)))
+        print("\n".join(table_fresh(rows) + table(rows)))
         return 0
     if args.tiny:
         args.vocab, args.pad_multiple = 64, (args.pad_multiple if args.device == "cuda" else 0)
@@ -491,9 +664,16 @@ def main(argv: list[str] | None = None) -> int:
         ctx = cpu_shim.cpu_megatron(seed=args.seed)
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 chunk_size=args.chunk_size, max_steps=args.max_steps, pad_multiple=args.pad_multiple,
-                vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv)
-    data = {wl: workload(wl, args) for wl in wls}
-    max_len = max([len(t) for ts in data.values() for t in ts] + [args.pad_multiple])   # RoPE table (pad chain too)
+                vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv, fresh_batches=not args.same_batch,
+                warmup_batches=0 if args.same_batch else args.warmup_batches)
+    if args.same_batch:
+        data = {wl: workload(wl, args) for wl in wls}
+        all_trajs = [t for ts in data.values() for t in ts]
+    else:                      # {workload: {seed: trajectories}}, warm-up and timed batches
+        seeds = sum(batch_seeds(args), [])
+        data = {wl: {sd: workload(wl, argparse.Namespace(**{**vars(args), "seed": sd})) for sd in seeds} for wl in wls}
+        all_trajs = [t for d in data.values() for ts in d.values() for t in ts]
+    max_len = max([len(t) for t in all_trajs] + [args.pad_multiple])   # RoPE table (pad chain too)
     rows, failed, path = [], [], os.path.join(args.out, args.name)
     try:
         from tqdm import tqdm
@@ -515,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
             meta["capacity"] = cap
             t0 = time.perf_counter()
             try:
-                row = bench_row(model, m, rc, wl, data[wl], args_c, device)
+                row = (bench_row(model, m, rc, wl, data[wl], args_c, device) if args.same_batch
+                       else bench_row_fresh(model, m, rc, wl, data[wl], args_c, device))
             except torch.cuda.OutOfMemoryError as e:     # recorded (e.g. no recomputation), next row runs
                 row = None
                 failed.append(dict(model=m, workload=wl, recompute=rc, capacity=cap, error=str(e).splitlines()[0]))
@@ -535,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
                 save_fla_autotune(args.save_fla_configs)
             print(f"[e2e] {m} {wl} recompute={rc}: compression {row['compression']:.2f} speedup "
                   f"{row['speedup']:.2f} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    print("\n".join(table(rows)))
+    print("\n".join(table_fresh(rows) + table(rows)))
     return 0
 
 

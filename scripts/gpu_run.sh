@@ -36,11 +36,11 @@ rc=0
 case "$step" in
   check)     python3 scripts/gpu_check_ops.py --out "$OUT" "${save[@]}" "$@" ;;
   ops)       python3 scripts/bench_ops.py --out "$OUT" "${save[@]}" "$@" ;;
-  e2e-swe)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_swe.json --models dense --workloads swe --recompute on "${save[@]}" "$@" ;;
-  e2e-tau)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_tau.json --models dense --workloads tau --recompute on "${save[@]}" "$@" ;;
-  e2e-sweep) python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_sweep.json --models dense --workloads sweep --recompute on "${save[@]}" "$@" ;;
-  e2e-moe)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_moe.json --models moe --workloads swe,tau --recompute on "${save[@]}" "$@" ;;
-  e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_dense_norc16k.json --models dense --workloads tau,sweep \
+  e2e-swe)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_swe.json --models dense --workloads swe --recompute on "${save[@]}" "$@" ;;
+  e2e-tau)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_tau.json --models dense --workloads tau --recompute on "${save[@]}" "$@" ;;
+  e2e-sweep) python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_sweep.json --models dense --workloads sweep --recompute on "${save[@]}" "$@" ;;
+  e2e-moe)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_moe.json --models moe --workloads swe,tau --recompute on "${save[@]}" "$@" ;;
+  e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_norc16k.json --models dense --workloads tau,sweep \
                --compressions 2,6,10 --capacity 16384 --recompute off "${save[@]}" "$@" ;;
   rl)        python3 scripts/gpu_rl.py --out "$OUT" "$@" ;;
   verify)    python3 -m megatron_harts.verify --device cuda --model 1.5b "$@" | tee "$OUT/verify_1p5b.json" ;;

@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_e2e_cpu_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1")
     cmd = [sys.executable, "-W", "ignore", os.path.join(ROOT, "scripts", "bench_e2e.py"), "--device", "cpu", "--tiny",
-           "--models", "dense,moe", "--workloads", "swe", "--recompute", "both", "--max-steps", "1",
-           "--out", str(tmp_path)]
+           "--models", "dense,moe", "--workloads", "swe", "--recompute", "both", "--max-steps", "2",
+           "--warmup-batches", "1", "--out", str(tmp_path)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads((tmp_path / "e2e.json").read_text())
@@ -31,10 +31,25 @@ def test_bench_e2e_cpu_smoke(tmp_path):
         assert r["compression"] > 1 and r["speedup"] > 0 and "meets_target" in r
         # fp32 on CPU: tree-packed log-probs equal the trajectory-wise ones up to rounding
         assert r["lp_diff_harts"]["max"] < 1e-4 and r["lp_diff_rerun"]["max"] < 1e-4
+        # every timed step is a new batch, the same one for both sides, and its time holds the host work
+        assert r["fresh_batches"] and r["steps"] == 2
+        b, h = r["baseline"]["steps"], r["harts"]["steps"]
+        assert [x["seed"] for x in b] == [x["seed"] for x in h] and len({x["seed"] for x in b}) == 2
+        assert [x["traj_tokens"] for x in b] == [x["traj_tokens"] for x in h] == [x["compact_tokens"] for x in b]
+        assert b[0]["traj_tokens"] != b[1]["traj_tokens"]          # different batches
+        for x in b + h:
+            assert x["wall_ms"] >= x["host_ms"] + x["grad_ms"] > 0 and x["plan_ms"] >= 0 and x["pack_ms"] > 0
+        for side in ("baseline", "harts"):
+            w = r[side]["wall_ms"]
+            assert w["min"] <= w["median"] <= w["max"]
+        assert abs(r["speedup"] - r["baseline"]["wall_ms"]["median"] / r["harts"]["wall_ms"]["median"]) < 1e-9
+        assert abs(r["compression"] - sum(x["traj_tokens"] for x in b) / sum(x["compact_tokens"] for x in h)) < 1e-9
     plot = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_e2e.py"), "--plot",
                            str(tmp_path / "e2e.json"), "--out", str(tmp_path)], capture_output=True, text=True)
     assert plot.returncode == 0, plot.stderr[-3000:]
-    assert (tmp_path / "e2e.md").read_text().count("| dense |") == 2 and (tmp_path / "e2e.png").stat().st_size > 0
+    md = (tmp_path / "e2e.md").read_text()
+    assert md.count("| dense |") == 2 and "New global batch every step" in md and "Same batch" not in md
+    assert (tmp_path / "e2e.png").stat().st_size > 0
 
 
 def test_bench_e2e_records_an_out_of_memory_row_and_goes_on(tmp_path, monkeypatch):
@@ -55,7 +70,7 @@ def test_bench_e2e_records_an_out_of_memory_row_and_goes_on(tmp_path, monkeypatc
     dynamo_disabled = torch._dynamo.config.disable          # main() turns dynamo off on CPU: restore it
     try:
         assert bench.main(["--device", "cpu", "--tiny", "--models", "dense", "--workloads", "tau", "--recompute",
-                           "both", "--max-steps", "1", "--no-rerun", "--out", str(tmp_path)]) == 0
+                           "both", "--max-steps", "1", "--no-rerun", "--same-batch", "--out", str(tmp_path)]) == 0
     finally:
         torch._dynamo.config.disable = dynamo_disabled
     data = json.loads((tmp_path / "e2e.json").read_text())
@@ -63,7 +78,8 @@ def test_bench_e2e_records_an_out_of_memory_row_and_goes_on(tmp_path, monkeypatc
     assert data["failed"] == [dict(model="dense", workload="tau", recompute=True, capacity=256,
                                    error="CUDA out of memory. Tried to allocate 80 GiB")]
     assert bench.main(["--plot", str(tmp_path / "e2e.json"), "--out", str(tmp_path)]) == 0
-    assert "Not measured: dense tau recompute on (out of memory" in (tmp_path / "e2e.md").read_text()
+    md = (tmp_path / "e2e.md").read_text()
+    assert "Not measured: dense tau recompute on (out of memory" in md and "Same batch every step" in md
 
 
 def test_bench_e2e_measures_the_attention_kernel_share(tmp_path, monkeypatch):
@@ -86,12 +102,13 @@ def test_bench_e2e_measures_the_attention_kernel_share(tmp_path, monkeypatch):
     dynamo_disabled = torch._dynamo.config.disable
     try:
         assert bench.main(["--device", "cpu", "--tiny", "--models", "dense", "--workloads", "tau", "--recompute",
-                           "off", "--max-steps", "1", "--out", str(tmp_path)]) == 0
+                           "off", "--max-steps", "1", "--warmup-batches", "0", "--out", str(tmp_path)]) == 0
     finally:
         torch._dynamo.config.disable = dynamo_disabled
     (row,) = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert row["lp_diff_baseline_flex"]["max"] < 1e-4 and row["lp_diff_baseline_flex"]["mean"] >= 0
     assert bench.main(["--plot", str(tmp_path / "e2e.json"), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "e2e.md").read_text()
-    row_line = next(line for line in md.splitlines() if line.startswith("| dense |"))
-    assert "lp diff flex-b max/mean" in md and row_line.split("|")[-4].strip() not in ("", "-")
+    head = next(line for line in md.splitlines() if line.startswith("| model |")).split("|")
+    row_line = next(line for line in md.splitlines() if line.startswith("| dense |")).split("|")
+    assert row_line[head.index(" lp diff flex-b max ")].strip() not in ("", "-")
