@@ -546,10 +546,12 @@ def run_async(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutC
     rows: list[dict] = []
     est = ProgramEstimator()
     state = {"next_train": 0, "released": 0}
+    released: dict[int, float] = {}
 
     def release(b: int, t: float) -> None:
         if b < cfg.steps and b == state["released"]:
             pool.add_programs(batches[b], t, tag=b)
+            released[b] = t
             state["released"] += 1
 
     def joined(eid: int, t: float) -> None:
@@ -602,7 +604,9 @@ def run_async(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutC
     for row in rows:
         row["step_s"] = row["train_end"] - prev
         prev = row["train_end"]
-    return _totals(policy, rows, cfg, wall=train_end[-1])
+    out = _totals(policy, rows, cfg, wall=train_end[-1])
+    out["release"] = released
+    return out
 
 
 def run_policy(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost,
