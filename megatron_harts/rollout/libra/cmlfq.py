@@ -26,6 +26,7 @@ bucket a program should run on), ``__len__``.
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -65,9 +66,18 @@ class QueuePolicy:
     buckets = 1
 
     def __init__(self):
+        self._reset()
+
+    def _reset(self) -> None:
         self._heaps: dict[int, list] = {}
         self._count = itertools.count()
         self._n = 0
+
+    def clone(self) -> "QueuePolicy":
+        """An empty queue with the same rules (one per engine)."""
+        c = copy.copy(self)
+        c._reset()
+        return c
 
     def key(self, req: Request, now: float) -> tuple:
         raise NotImplementedError
@@ -169,6 +179,9 @@ class CMLFQ(PLAS):
             raise ValueError(f"CMLFQ buckets must be 1 or 2, got {buckets}")
         self.success_boost, self.error_penalty, self.turn_demote = success_boost, error_penalty, turn_demote
         self.age_s, self.long_ctx, self.long_obs, self.buckets = age_s, long_ctx, long_obs, buckets
+
+    def _reset(self) -> None:
+        super()._reset()
         self._fifo: dict[int, list] = {}
         self._taken: set[int] = set()
 

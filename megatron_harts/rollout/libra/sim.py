@@ -6,9 +6,11 @@ produces is simulated from the cost models of :mod:`.costs`, never measured).
 batch, and the time of ``n`` iterations is closed-form (contexts grow by one token per request
 per iteration), so an event is a request completion, a tool return, a release or an engine
 joining, never a single decode iteration (thousands of programs x 64 engines run in seconds).
-Programs are sticky to their last engine (prefix cache: a turn on the same engine prefills only
-its new tokens, elsewhere the whole context); a turn that cannot start there waits in the queue
-policy (:mod:`.cmlfq`) and the next free slot of any engine takes the policy's choice.
+Each engine has its own waiting queue ordered by the queue policy (:mod:`.cmlfq`); programs are
+sticky to their last engine (prefix cache: a turn on the same engine prefills only its new
+tokens, elsewhere the whole context), new programs and programs the policy routes to another
+bucket go to the least-loaded engine of their bucket, and an engine with a free slot and an
+empty queue steals the best request of the longest queue (a cache miss).
 
 Step-level drivers (:func:`run_policy`): ``static`` (a fixed rollout/training split tuned on
 the first step, verl-style disaggregation), ``colocated`` (verl's hybrid engine: all GPUs roll
@@ -86,9 +88,10 @@ class EnginePool:
     noise of ``pred_sigma``, seeded)."""
 
     def __init__(self, engines: Sequence[tuple[RolloutCost, int]], policy: QueuePolicy, *, pred_sigma: float = 0.5,
-                 seed: int = 0, sticky: bool = True):
+                 seed: int = 0, sticky: bool = True, overflow: float = 2.0):
         self.engines = [Engine(i, c, b) for i, (c, b) in enumerate(engines)]
-        self.policy, self.sticky = policy, sticky
+        self.policy, self.sticky, self.overflow = policy, sticky, overflow
+        self.queues = [policy.clone() for _ in self.engines]   # one waiting queue per engine
         self.rng = np.random.default_rng(seed)
         self.pred_sigma = pred_sigma
         self.programs: list[Program] = []
@@ -128,6 +131,7 @@ class EnginePool:
     def add_engine(self, cost: RolloutCost, bucket: int, ready_at: float) -> int:
         e = Engine(len(self.engines), cost, bucket, active=False, t=ready_at)
         self.engines.append(e)
+        self.queues.append(self.policy.clone())
         self._push(ready_at, _JOIN, e.eid)
         return e.eid
 
@@ -137,6 +141,12 @@ class EnginePool:
         if not e.active or e.draining:
             raise ValueError(f"engine {eid} is not an active engine")
         e.draining = True
+        q = self.queues[eid]
+        moved = []
+        while len(q):
+            moved.append(q.pop(0, now))
+        for req in moved:                           # its waiting turns go elsewhere
+            self._enqueue(req.program, req, now)
         if not e.rem:
             self._leave(e, now)
 
@@ -184,16 +194,56 @@ class EnginePool:
         if e.rem:
             self._push(e.next_done(), _DONE, e.eid, e.version)
 
+    def _load(self, e: Engine) -> int:
+        return e.batch + len(self.queues[e.eid])
+
+    def _target(self, i: int, req: Request) -> Engine:
+        """Sticky routing: the program's last engine if it is serving and in the bucket the policy
+        routes it to; else the least-loaded (running + waiting) engine of that bucket; else of any."""
+        b = self.policy.route(req)
+        last = self.last_engine[i]
+        serving = [e for e in self.engines if e.active and not e.draining]
+        if not serving:
+            serving = [e for e in self.engines if not e.draining and e.t >= 0]     # engines about to join
+        if self.sticky and last >= 0:
+            e = self.engines[last]
+            if e.active and not e.draining and (e.bucket == b or not any(x.bucket == b for x in serving)):
+                return e
+        same = [e for e in serving if e.bucket == b] or serving
+        best = min(same, key=lambda e: (self._load(e), e.eid))
+        anyb = min(serving, key=lambda e: (self._load(e), e.eid))
+        if self._load(best) > self.overflow * (self._load(anyb) + 1):
+            return anyb                           # the bucket is overloaded: spill over
+        return best
+
+    def _enqueue(self, i: int, req: Request, now: float) -> None:
+        e = self._target(i, req)
+        self.queues[e.eid].push(req, req.arrival)
+        if e.active and not e.draining and e.batch < e.cost.max_batch:
+            self._fill(e, now)
+
+    def _steal(self, e: Engine, now: float) -> Optional[Request]:
+        """An engine with a free slot and an empty queue takes the best request of the longest
+        queue (same bucket first): work conserving, at the price of a prefix-cache miss."""
+        cands = [x for x in self.engines if x is not e and len(self.queues[x.eid])]
+        if not cands:
+            return None
+        v = max(cands, key=lambda x: (x.bucket == e.bucket, len(self.queues[x.eid]), -x.eid))
+        if len(self.queues[v.eid]) < 2 and v.active and not v.draining and v.batch < v.cost.max_batch:
+            return None                           # its own engine will take it
+        return self.queues[v.eid].pop(e.bucket, now)
+
     def _fill(self, e: Engine, now: float) -> None:
         if not e.active or e.draining:
             return
         changed = False
-        while e.batch < e.cost.max_batch and len(self.policy):
-            req = self.policy.pop(e.bucket, now)
+        q = self.queues[e.eid]
+        while e.batch < e.cost.max_batch:
+            req = q.pop(e.bucket, now) if len(q) else self._steal(e, now)
             if req is None:
                 break
             if not self._fits(e, req.ctx) and e.batch > 0:
-                self.policy.push(req, req.arrival)      # back, unchanged arrival (KV full)
+                q.push(req, req.arrival)          # back, unchanged arrival (KV full)
                 break
             self._admit(e, req.program, now)
             changed = True
@@ -201,18 +251,7 @@ class EnginePool:
             self._schedule(e)
 
     def _ready(self, i: int, now: float) -> None:
-        last = self.last_engine[i]
-        if self.sticky and last >= 0:
-            e = self.engines[last]
-            if e.active and not e.draining and not len(self.policy) and self._fits(e, self.programs[i].ctx_before(self.turn[i])):
-                self._admit(e, i, now)
-                self._schedule(e)
-                return
-        self.policy.push(self._request(i, now), now)
-        # the least-loaded engine with a free slot takes the policy's next choice
-        free = [e for e in self.engines if e.active and not e.draining and e.batch < e.cost.max_batch]
-        if free:
-            self._fill(min(free, key=lambda e: (e.batch, e.eid)), now)
+        self._enqueue(i, self._request(i, now), now)
 
     def _complete(self, e: Engine, now: float) -> None:
         B, C = e.batch, float(sum(e.ctx))

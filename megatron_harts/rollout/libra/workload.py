@@ -9,8 +9,9 @@ probability ``p_end_success``), *error* (a retry: its observation is ``error_obs
 larger) or neutral (the program ends with probability ``p_end_neutral``). ``max_turns`` caps it.
 
 Drift: at training progress ``x = step / (steps - 1)`` the median generated tokens per turn are
-``gen_median * (1 + gen_growth * x)`` and both end probabilities are divided by
-``1 + turn_growth * x`` (more turns): lengths grow over training, as agentic RL runs report.
+``gen_median * (1 + gen_growth * x)``, both end probabilities are divided by
+``1 + turn_growth * x`` (more turns) and observations grow by ``1 + obs_growth * x``: lengths grow
+over training, as agentic RL runs report.
 The defaults are a setting, not a measurement; docs/libra.md lists them.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ class WorkloadConfig:
     max_turns: int = 30
     gen_growth: float = 1.5
     turn_growth: float = 1.0
+    obs_growth: float = 0.0
     steps: int = 20
     seed: int = 0
 
@@ -95,7 +97,8 @@ def sample_program(rng: np.random.Generator, cfg: WorkloadConfig, group: int, pr
         if not last:
             u = rng.random()
             sig = SIGNAL_SUCCESS if u < cfg.p_success else SIGNAL_ERROR if u < cfg.p_success + cfg.p_error else SIGNAL_NONE
-            obs = int(_lognormal(rng, cfg.obs_median * (cfg.error_obs_factor if sig == SIGNAL_ERROR else 1.0),
+            obs = int(_lognormal(rng, cfg.obs_median * (1.0 + cfg.obs_growth * x)
+                                 * (cfg.error_obs_factor if sig == SIGNAL_ERROR else 1.0),
                                  cfg.obs_sigma, cfg.obs_max))
             p_end = (cfg.p_end_success if sig == SIGNAL_SUCCESS else cfg.p_end_neutral if sig == SIGNAL_NONE else 0.0) / slow
             end_next = rng.random() < p_end
