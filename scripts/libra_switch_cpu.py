@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--out", default="docs/benchmarks/libra_switch_cpu.json")
+    ap.add_argument("--libra-json", default="docs/benchmarks/libra.json",
+                    help="also put a simulated=false row into this results file when it exists")
     args = ap.parse_args(argv)
     if args.workers < 2:
         ap.error("--workers must be >= 2")
@@ -84,6 +86,15 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     log.info("median: %s", res["median"])
+    lj = Path(args.libra_json)
+    if lj.exists():
+        data = json.loads(lj.read_text())
+        data["rows"] = [r for r in data["rows"] if r.get("setting") != "role switch, CPU (real)"]
+        data["rows"].append({"setting": "role switch, CPU (real)", "policy": f"elastic pool, Ray + gloo, {args.workers} workers",
+                             "gpus": 0, "throughput": None, "step_s": None, "vs_static": None, "simulated": False,
+                             "to_rollout_s": res["median"]["to_rollout_s"], "to_training_s": res["median"]["to_training_s"],
+                             "source": str(args.out)})
+        lj.write_text(json.dumps(data, indent=1, default=str))
     return 0
 
 
