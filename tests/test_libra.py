@@ -307,3 +307,32 @@ def test_async_respects_staleness(policy):
     assert rows[2]["batch_done"] > rows[0]["train_end"]
     with pytest.raises(ValueError, match="asynchronous"):
         sim.run_policy("tail", w, cfg, rc, tc)
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_libra.py"
+    spec = importlib.util.spec_from_file_location("bench_libra", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_script_small_run_and_bad_input(tmp_path, capsys):
+    import json
+    bench = _bench()
+    assert bench.main(["--out", str(tmp_path), "--steps", "2", "--gpus", "4", "--settings", "drift", "--queue-groups", "6",
+                       "--queue-engines", "4", "--long-engines", "1", "--quiet"]) == 0
+    data = json.loads((tmp_path / "libra.json").read_text())
+    rows = data["rows"]
+    assert {r["policy"] for r in rows} == {label for label, _, _ in bench.RUNS}
+    for r in rows:
+        assert r["simulated"] is True and r["gpus"] == 4 and r["throughput"] > 0
+        assert set(r) >= {"setting", "policy", "gpus", "throughput", "step_s", "vs_static", "simulated"}
+    assert [r["vs_static"] for r in rows if r["policy"] == "static (sync)"] == [1.0]
+    assert len(data["queues"]) == 6 and "SIMULATED" in (tmp_path / "libra.md").read_text()
+    assert (tmp_path / "libra.png").stat().st_size > 0
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--gpus", "x"])
+    assert e.value.code == 2 and "--gpus" in capsys.readouterr().err
