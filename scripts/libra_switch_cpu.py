@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--out", default="docs/benchmarks/libra_switch_cpu.json")
+    ap.add_argument("--resident", action="store_true",
+                    help="keep the engine process between switches (paused, memory released) instead of restarting it")
+    ap.add_argument("--out", default=None, help="default docs/benchmarks/libra_switch_cpu[_resident].json")
     ap.add_argument("--libra-json", default="docs/benchmarks/libra.json",
                     help="also put a simulated=false row into this results file when it exists")
     args = ap.parse_args(argv)
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
         ap.error("--workers must be >= 2")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.out is None:
+        args.out = f"docs/benchmarks/libra_switch_cpu{'_resident' if args.resident else ''}.json"
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from megatron_harts.rollout.libra.pool import ElasticPool
     from megatron_harts.rollout.weight_sync import PRESETS, model_config
@@ -45,7 +49,7 @@ def main(argv=None) -> int:
     batch = [[1, 5 + i, 9, 17 + 3 * i, 40, 41 + i, 2] for i in range(8)]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        pool = ElasticPool(args.workers, model_config(args.model), d, seed=0)
+        pool = ElasticPool(args.workers, model_config(args.model), d, seed=0, resident_engines=args.resident)
         start_s = time.perf_counter() - t0
         rows = []
         try:
@@ -68,7 +72,8 @@ def main(argv=None) -> int:
                              "publish_push_s": round(pub["push_s"], 3), "to_training_s": round(back["total_s"], 3),
                              "engine_stop_s": round(back["stop_s"], 3), "rebuild_back_s": round(back["rebuild_s"], 4),
                              "state_sync_s": round(back["state_sync_s"], 4), "grads_bitwise_equal_across_switch": same,
-                             "weight_version_served": gen[0]["weight_version"], "simulated": False})
+                             "weight_version_served": gen[0]["weight_version"], "resident_engine": out["resident"],
+                             "simulated": False})
                 pool.step()
                 log.info("round %d: to rollout %.2f s (engine start %.2f), back %.2f s, grads equal %s", r,
                          out["total_s"], out["start_s"], back["total_s"], same)
@@ -77,7 +82,7 @@ def main(argv=None) -> int:
             pool.close()
             import ray
             ray.shutdown()
-    res = {"meta": {"simulated": False, "workers": args.workers, "model": args.model, "cpu": platform.processor() or platform.machine(),
+    res = {"meta": {"simulated": False, "workers": args.workers, "resident_engines": args.resident, "model": args.model, "cpu": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "pool_start_s": round(start_s, 2), "argv": sys.argv[1:] if argv is None else argv,
                     "note": "CPU, gloo, embedded transformers engine (not SGLang); includes engine process start"},
            "rows": rows,
@@ -89,8 +94,10 @@ def main(argv=None) -> int:
     lj = Path(args.libra_json)
     if lj.exists():
         data = json.loads(lj.read_text())
-        data["rows"] = [r for r in data["rows"] if r.get("setting") != "role switch, CPU (real)"]
-        data["rows"].append({"setting": "role switch, CPU (real)", "policy": f"elastic pool, Ray + gloo, {args.workers} workers",
+        mode = "resident engine (pause + release)" if args.resident else "engine restarted"
+        pol = f"elastic pool, Ray + gloo, {args.workers} workers, {mode}"
+        data["rows"] = [r for r in data["rows"] if not (r.get("setting") == "role switch, CPU (real)" and r.get("policy") == pol)]
+        data["rows"].append({"setting": "role switch, CPU (real)", "policy": pol,
                              "gpus": 0, "throughput": None, "step_s": None, "vs_static": None, "simulated": False,
                              "to_rollout_s": res["median"]["to_rollout_s"], "to_training_s": res["median"]["to_training_s"],
                              "source": str(args.out)})

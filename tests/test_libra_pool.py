@@ -17,7 +17,8 @@ def pool(tmp_path_factory):
 
     from megatron_harts.rollout.libra.pool import ElasticPool
 
-    p = ElasticPool(3, model_config("tiny", num_layers=4), str(tmp_path_factory.mktemp("pool")), seed=0)
+    p = ElasticPool(3, model_config("tiny", num_layers=4), str(tmp_path_factory.mktemp("pool")), seed=0,
+                    resident_engines=True)
     yield p
     p.close()
     import ray
@@ -57,6 +58,13 @@ def test_role_switch_keeps_gradients(pool):
     pool.step()
     p0, p2 = pool.params(0), pool.params(2)
     assert np.array_equal(p0, p2)
+    # a second switch reuses the engine kept (paused, memory released): it serves the new weights
+    g3c = pool.grads(BATCH)
+    again = pool.to_rollout(2)
+    assert again["resident"] is True and again["url"] == out["url"]
+    assert {g["weight_version"] for g in pool.generate(2, PROMPTS[:1], max_new_tokens=2)} == {"v2"}
+    assert np.array_equal(pool.grads(BATCH), g3c)
+    pool.to_training(2)
 
 
 def test_pool_rejects_bad_switches(pool):

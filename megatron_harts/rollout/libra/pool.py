@@ -14,8 +14,10 @@ worker exports its weights through the existing sync path (``weight_sync.save_hf
 the Hugging Face layout engines load) and starts the embedded engine (``engines.launch.EmbeddedServer``,
 CPU; SGLang on a GPU) on them; it then serves ``/generate``, and later checkpoints reach it by
 ``/update_weights_from_disk`` (``weight_sync.push_weights``). Back (:meth:`ElasticPool.to_training`):
-the engine stops (on a GPU: ``/release_memory_occupation`` instead, see
-``scripts/libra_colocated_h200.py``), the DP group is rebuilt with the worker, and it receives the
+the engine stops, or (``resident_engines``) pauses in place and releases its memory
+(``/pause_generation``, ``/release_memory_occupation``; on the H200 SGLang frees weights and KV cache
+for the trainer, see ``scripts/libra_colocated_h200.py``) to be resumed and re-weighted on the next
+switch; the DP group is rebuilt with the worker, and it receives the
 current parameters and AdamW state from a training worker by broadcast.
 
 The model is the Hugging Face ``Qwen3NextForCausalLM`` of a config (e.g. ``weight_sync``'s ``tiny``
@@ -185,16 +187,25 @@ class PoolWorker:
         return time.perf_counter() - t0
 
     def start_engine(self, out_dir: str, version: str, log_path: str | None = None) -> dict:
-        """Export, then start the embedded engine on the export; returns ``{url, export_s, start_s}``."""
+        """Export, then serve the export: start the embedded engine, or, if this worker keeps a
+        released engine (:meth:`stop_engine` with ``keep``), resume its memory, load the export
+        through ``push_weights`` and continue generation. Returns ``{url, export_s, start_s, resident}``."""
         from megatron_harts.rollout.engines import EmbeddedServer
+        from megatron_harts.rollout.weight_sync import push_weights
 
         if self.pgc is not None:
             raise RuntimeError(f"worker {self.rank} is still in the training group: rebuild it first")
         export_s = self.export(out_dir, version)
         t0 = time.perf_counter()
-        self.server = EmbeddedServer(out_dir, weight_version=version, threads=1, log_path=log_path).start()
-        self.engine = self.server.engine(timeout=120.0, retries=1, backoff=0.1)
-        return {"url": self.server.url, "export_s": export_s, "start_s": time.perf_counter() - t0}
+        resident = self.server is not None
+        if resident:
+            self.engine.resume_memory()
+            push_weights([self.engine], out_dir, version)
+            self.engine.resume()
+        else:
+            self.server = EmbeddedServer(out_dir, weight_version=version, threads=1, log_path=log_path).start()
+            self.engine = self.server.engine(timeout=120.0, retries=1, backoff=0.1)
+        return {"url": self.server.url, "export_s": export_s, "start_s": time.perf_counter() - t0, "resident": resident}
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8, seed: int = 0) -> list[dict]:
         from megatron_harts.rollout.types import SamplingParams
@@ -215,15 +226,22 @@ class PoolWorker:
         push_weights([self.engine], path, version)
         return time.perf_counter() - t0
 
-    def stop_engine(self) -> float:
+    def stop_engine(self, keep: bool = False) -> float:
+        """Leave the rollout role: stop the engine process, or with ``keep`` pause it in place and
+        release its memory (``/pause_generation``, ``/release_memory_occupation``: SGLang frees its
+        weights and KV cache; the embedded engine only records it), to resume later."""
         t0 = time.perf_counter()
         if self.server is not None:
-            self.server.stop()
-        self.server = self.engine = None
+            if keep:
+                self.engine.pause("in_place")
+                self.engine.release_memory()
+            else:
+                self.server.stop()
+                self.server = self.engine = None
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        self.stop_engine()
+        self.stop_engine(keep=False)
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
 
@@ -239,12 +257,15 @@ def _node_and_port() -> tuple[str, int]:
 class ElasticPool:
     """``n`` :class:`PoolWorker` Ray actors, all training at first. ``to_rollout(r)`` /
     ``to_training(r)`` switch worker ``r``'s role and return the seconds of each part.
+    ``resident_engines``: a worker going back to training keeps its engine process, paused with
+    its memory released, and resumes it on the next switch (SGLang's colocated mode) instead of
+    stopping it and starting a new one.
 
     ``cpus_per_worker``: Ray CPUs each actor reserves (0 lets a 2-core machine hold any number).
     The driver must have Ray initialised or lets this class start a local cluster."""
 
     def __init__(self, n: int, hf_config: dict, work_dir: str, *, seed: int = 0, threads: int = 1, lr: float = 1e-3,
-                 cpus_per_worker: float = 0):
+                 cpus_per_worker: float = 0, resident_engines: bool = False):
         import ray
 
         if n < 2:
@@ -263,6 +284,7 @@ class ElasticPool:
         init = f"tcp://{host}:{port}"
         self.workers = [Actor.remote(r, n, init, hf_config, seed=seed, threads=threads, lr=lr) for r in range(n)]
         self.training = list(range(n))
+        self.resident = resident_engines
         self.version = 0
         self.set_dp(self.training)
 
@@ -317,7 +339,7 @@ class ElasticPool:
         if rank in self.training:
             raise ValueError(f"worker {rank} is already training")
         t0 = time.perf_counter()
-        stop = self._get(self.workers[rank].stop_engine.remote())
+        stop = self._get(self.workers[rank].stop_engine.remote(self.resident))
         src = self.training[0]
         self.training = sorted(self.training + [rank])
         rebuild = self.set_dp(self.training)
