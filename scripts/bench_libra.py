@@ -142,8 +142,15 @@ def write_md(path: Path, meta: dict, rows: list[dict], qrows: list[dict], pcheck
              "| setting | GPUs | policy | throughput (tok/s) | step s | vs_static | same k |",
              "|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
+        if r.get("simulated") is False:
+            continue
         lines.append(f"| {r['setting']} | {r['gpus']} | {r['policy']} | {r['throughput']:,.0f} | {r['step_s']:.1f} | "
                      f"{r['vs_static']:.2f} | {r['vs_static_same_staleness']:.2f} |")
+    real = [r for r in rows if r.get("simulated") is False]
+    if real:
+        lines += ["", "Measured rows (`simulated: false`, CPU, from `scripts/libra_switch_cpu.py`; see ../libra.md):", "",
+                  "| setting | policy | to rollout s (median) | to training s (median) |", "|---|---|---:|---:|"]
+        lines += [f"| {r['setting']} | {r['policy']} | {r['to_rollout_s']:.3f} | {r['to_training_s']:.3f} |" for r in real]
     lines += ["", "## Request queues (one synchronous rollout, saturated engines)", "",
               f"{qrows[0]['programs']} programs (step {args_step(qrows)} of the drift setting) on "
               f"{qrows[0]['engines']} engines with at most {meta['queue_max_batch']} running requests and "
@@ -235,11 +242,14 @@ def main(argv=None) -> int:
             "wall_s": round(time.perf_counter() - t0, 1)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    old = out / "libra.json"
+    if old.exists():                      # keep measured rows (scripts/libra_switch_cpu.py)
+        rows += [r for r in json.loads(old.read_text()).get("rows", []) if r.get("simulated") is False]
     (out / "libra.json").write_text(json.dumps({"meta": meta, "rows": rows, "queues": qrows, "planner_check": pcheck},
                                                indent=1, default=str))
     write_md(out / "libra.md", meta, rows, qrows, pcheck)
     plot(out / "libra.png", rows, qrows)
-    best = max((r for r in rows if r["setting"] == "drift"), key=lambda r: r["vs_static"])
+    best = max((r for r in rows if r["setting"] == "drift" and r.get("simulated")), key=lambda r: r["vs_static"])
     log.info("SIMULATION: best vs static under drift: %s at %d GPUs, %.2fx", best["policy"], best["gpus"], best["vs_static"])
     for r in qrows:
         log.info("%-28s makespan %7.1f  p99 %7.1f  mean %7.1f", r["policy"], r["makespan_s"], r["p99_s"], r["mean_s"])
