@@ -206,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--sync-s", type=float, default=None, help="weight sync s (default: rollout.json's median)")
     ap.add_argument("--switch-s", type=float, default=10.0, help="one role switch, s (assumption)")
+    ap.add_argument("--calibration", default=None,
+                    help="libra_calibration.json of scripts/libra_calibrate_h200.py (decode vs batch x context)")
     ap.add_argument("--queue-engines", type=int, default=16)
     ap.add_argument("--long-engines", type=int, default=4)
     ap.add_argument("--queue-groups", type=int, default=128)
@@ -229,7 +231,14 @@ def main(argv=None) -> int:
     if args.quick:
         args.steps, args.gpus, args.queue_groups = 3, [8, 16], 48
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rc, tc = costs.fit_rollout_cost(), costs.fit_train_cost()
+    if args.calibration:
+        if not Path(args.calibration).is_file():
+            ap.error(f"--calibration: no such file {args.calibration}")
+        pts, pre = costs.load_rollout_points(args.calibration)
+        rc = costs.fit_rollout_cost(pts, fit_context=True, prefill_tok_s=pre, source=args.calibration)
+    else:
+        rc = costs.fit_rollout_cost()
+    tc = costs.fit_train_cost()
     args.sync_s = costs.fit_sync_cost().seconds() if args.sync_s is None else args.sync_s
     t0 = time.perf_counter()
     rows = split_rows(args, rc, tc)

@@ -336,3 +336,16 @@ def test_bench_script_small_run_and_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--gpus", "x"])
     assert e.value.code == 2 and "--gpus" in capsys.readouterr().err
+
+
+def test_rollout_fit_with_context_recovers_the_terms(tmp_path):
+    import json
+    a, b, c = 0.004, 0.00007, 3e-9
+    pts = [(B, ctx, B / (a + b * B + c * B * ctx)) for B in (1, 16, 128) for ctx in (2000, 16000, 64000)]
+    rc = costs.fit_rollout_cost(pts, fit_context=True, prefill_tok_s=5e4)
+    assert (rc.a_s, rc.b_s, rc.c_s) == pytest.approx((a, b, c), rel=1e-6)
+    (tmp_path / "cal.json").write_text(json.dumps({"points": pts, "prefill_tok_s": 5e4}))
+    loaded, pre = costs.load_rollout_points(tmp_path / "cal.json")
+    assert pre == 5e4 and len(loaded) == 9
+    with pytest.raises(ValueError, match="at least 3"):
+        costs.fit_rollout_cost(pts[:2], fit_context=True)

@@ -116,23 +116,39 @@ def kv_capacity(gpu_bytes: float = 139 * 2 ** 30, mem_fraction: float = 0.85, pa
 
 def fit_rollout_cost(points: Sequence[tuple[int, float, float]] = SGLANG_DECODE_POINTS, *,
                      kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_1P5B, hbm_bytes_per_s: float = HBM_BYTES_PER_S,
-                     prefill_tok_s: float | None = None, **kw) -> RolloutCost:
-    """Least-squares ``a, b`` of ``step = B / tokens_per_s = a + b B`` on ``points`` (``(B, ctx_mean,
-    tokens/s)``); ``c = kv_bytes_per_token / hbm_bytes_per_s`` (assumption, see module doc) applies to
-    the simulated model only (the measured points' own attention term is not subtracted: by the
-    same estimate it is < 2% of the measured step). ``prefill_tok_s`` defaults to
+                     prefill_tok_s: float | None = None, fit_context: bool = False, source: str | None = None,
+                     **kw) -> RolloutCost:
+    """Least-squares fit of the decode iteration ``step = B / tokens_per_s`` on ``points`` (``(B,
+    mean context, tokens/s)``). Default: ``a + b B`` on the points, and ``c = kv_bytes_per_token /
+    hbm_bytes_per_s`` (assumption, see module doc) for the simulated model only (the measured
+    points' own attention term is not subtracted: by the same estimate it is < 2% of the measured
+    step). ``fit_context``: fit ``a + b B + c B ctx`` on points that vary the context (e.g. from
+    ``scripts/libra_calibrate_h200.py``; needs >= 3 points). ``prefill_tok_s`` defaults to
     :func:`measured_prefill_tok_s`."""
-    if len(points) < 2:
-        raise ValueError("fit_rollout_cost needs at least 2 (batch, ctx, tokens/s) points")
+    need = 3 if fit_context else 2
+    if len(points) < need:
+        raise ValueError(f"fit_rollout_cost needs at least {need} (batch, ctx, tokens/s) points, got {len(points)}")
     B = np.array([p[0] for p in points], dtype=np.float64)
+    ctx = np.array([p[1] for p in points], dtype=np.float64)
     step = B / np.array([p[2] for p in points], dtype=np.float64)
-    A = np.stack([np.ones_like(B), B], axis=1)
-    (a, b), *_ = np.linalg.lstsq(A, step, rcond=None)
-    if a <= 0 or b <= 0:
-        raise ValueError(f"rollout fit gave non-positive terms a={a}, b={b}: check the points")
-    return RolloutCost(a_s=float(a), b_s=float(b), c_s=kv_bytes_per_token / hbm_bytes_per_s,
+    cols = [np.ones_like(B), B] + ([B * ctx] if fit_context else [])
+    coef, *_ = np.linalg.lstsq(np.stack(cols, axis=1), step, rcond=None)
+    a, b = coef[0], coef[1]
+    c = coef[2] if fit_context else kv_bytes_per_token / hbm_bytes_per_s
+    if a <= 0 or b <= 0 or c < 0:
+        raise ValueError(f"rollout fit gave non-physical terms a={a}, b={b}, c={c}: check the points")
+    return RolloutCost(a_s=float(a), b_s=float(b), c_s=float(c),
                        prefill_tok_s=prefill_tok_s if prefill_tok_s is not None else measured_prefill_tok_s(),
-                       source="GPU.md SGLang 0.5.17 Qwen3-Next hybrid: 321 tok/s @1, 7500 tok/s @64", **kw)
+                       source=source or "GPU.md SGLang 0.5.17 Qwen3-Next hybrid: 321 tok/s @1, 7500 tok/s @64", **kw)
+
+
+def load_rollout_points(path) -> tuple[list[tuple[int, float, float]], float | None]:
+    """``(points, prefill tokens/s)`` from a ``scripts/libra_calibrate_h200.py`` JSON
+    (``{"points": [[batch, ctx, tokens/s], ...], "prefill_tok_s": ...}``)."""
+    with open(path) as f:
+        d = json.load(f)
+    pts = [(int(p[0]), float(p[1]), float(p[2])) for p in d["points"]]
+    return pts, d.get("prefill_tok_s")
 
 
 def measured_prefill_tok_s(files: Iterable[str] = ("e2e_dense_sweep.json",)) -> float:
