@@ -46,6 +46,7 @@ class Engine:
     bucket: int = 0
     active: bool = True
     draining: bool = False
+    left: bool = False                  # drained and gone (to training)
     t: float = 0.0                      # the engine's clock: simulated up to here
     version: int = 0
     rem: list = field(default_factory=list)     # remaining tokens of each running request
@@ -151,7 +152,7 @@ class EnginePool:
             self._leave(e, now)
 
     def _leave(self, e: Engine, now: float) -> None:
-        e.active, e.draining = False, False
+        e.active, e.draining, e.left = False, False, True
         if self.on_engine_left:
             self.on_engine_left(e.eid, max(now, e.t))
 
@@ -204,7 +205,9 @@ class EnginePool:
         last = self.last_engine[i]
         serving = [e for e in self.engines if e.active and not e.draining]
         if not serving:
-            serving = [e for e in self.engines if not e.draining and e.t >= 0]     # engines about to join
+            serving = [e for e in self.engines if not e.draining and not e.left]    # engines about to join
+        if not serving:
+            raise RuntimeError("EnginePool: no engine serves or is about to join (all drained)")
         if self.sticky and last >= 0:
             e = self.engines[last]
             if e.active and not e.draining and (e.bucket == b or not any(x.bucket == b for x in serving)):
@@ -399,7 +402,9 @@ def _comm_s(tcost: TrainCost, gpus: int) -> float:
 
 def tune_static_split(programs: Sequence[Program], rcost: RolloutCost, tcost: TrainCost, cfg: SimConfig) -> int:
     """The rollout GPUs of the best fixed split for ``programs`` (the first step), found by simulating
-    each candidate: the strongest static baseline (it is tuned on the data it starts with)."""
+    the rollout on each candidate (every ``N / 16``-th R): the strongest static baseline (it is tuned
+    on the data it starts with). Synchronous: rollout makespan + training + sync; asynchronous
+    (staleness k): max(makespan / (k + 1), training + sync), a proxy of the pipelined step."""
     n = cfg.gpus
     cands = sorted(set(list(range(1, n, max(1, n // 16))) + [n - 1]))
     comp, mlen = _train_work(programs, tcost)
