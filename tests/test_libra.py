@@ -269,7 +269,7 @@ def test_planner_prefers_balanced_async_split_and_respects_switch_cost():
     assert pl.plan_sync(est, len(progs)).mode in ("split", "elastic")
 
 
-@pytest.mark.parametrize("policy", ["static", "colocated", "tail", "libra"])
+@pytest.mark.parametrize("policy", ["static", "colocated", "tail", "elastic", "libra"])
 def test_sync_drivers_account_every_step(policy):
     w, cfg, rc, tc = _small()
     out = sim.run_policy(policy, w, cfg, rc, tc)

@@ -15,8 +15,8 @@ Predictions (seconds), for ``R`` rollout engines and ``n`` programs drawn from t
 
 Synchronous RL: ``split`` (``R`` engines, ``N - R`` trainers, rollout then training) against
 ``elastic`` (all ``N`` roll out; drained engines switch to training and train completed groups
-during the tail; predicted as colocated minus the overlap of the groups done before the
-critical path ends). Asynchronous RL: ``R`` minimising max(rollout per batch, training + sync);
+during the tail; predicted as the rollout on ``N``, a switch, the training that half the pool
+cannot absorb during the tail (at least one group's share of it), the sync, and the switch back). Asynchronous RL: ``R`` minimising max(rollout per batch, training + sync);
 a re-split is taken only when the predicted saving over ``horizon`` steps exceeds the switch
 cost (``switch_s`` per moved GPU, counted as lost GPU-seconds over ``N``).
 """
@@ -151,10 +151,14 @@ class Planner:
                 best = (t, r)
         ro = self.rollout_s(est, n, self.gpus)
         tr = self.train_s(est, n, self.gpus)
-        # groups finishing before the critical path ends are trained in the tail: at most the
-        # bulk's share of the training overlaps
-        overlap = max(0.0, ro["critical"] - ro["bulk"]) * self.gpus / 2
-        elastic = ro["sync"] + self.switch_s + max(tr - overlap / self.gpus, tr * 0.1) + self.sync_s + self.switch_s
+        # engines drained during the tail train the completed groups there: about half the pool over
+        # the tail (critical path minus bulk, minus the switch) is available; the rest of the
+        # training (at least the last group's share) runs after the last engines switch
+        tail = max(0.0, ro["critical"] - ro["bulk"] - self.switch_s)
+        work = tr * self.gpus
+        groups = max(1.0, n / 8)
+        residual = max(work - tail * self.gpus / 2, work / groups) / self.gpus
+        elastic = ro["sync"] + self.switch_s + residual + self.sync_s + self.switch_s
         detail = {"split_s": best[0], "split_r": best[1], "elastic_s": elastic, **{f"rollout_{k}": v for k, v in ro.items()}}
         if elastic < best[0]:
             return Plan("elastic", self.gpus, 0, elastic, detail)

@@ -14,10 +14,10 @@ empty queue steals the best request of the longest queue (a cache miss).
 
 Step-level drivers (:func:`run_policy`): ``static`` (a fixed rollout/training split tuned on
 the first step, verl-style disaggregation), ``colocated`` (verl's hybrid engine: all GPUs roll
-out, then all train), ``tail`` (RollPacker-style tail batching on the static split),
-``libra`` (the planner re-splits every step; synchronous: an elastic pool whose drained engines
-switch to training and train the completed groups while the tail still runs; asynchronous:
-bounded staleness ``k`` with the split re-planned per step).
+out, then all train), ``tail`` (RollPacker-style tail batching on the static split), ``elastic`` (synchronous: an
+elastic pool whose drained engines switch to training and train the completed groups while the
+tail still runs), ``libra`` (the planner decides every step; synchronous: ``elastic`` or a split
+it re-tunes; asynchronous: bounded staleness ``k`` with the split re-planned per batch).
 """
 from __future__ import annotations
 
@@ -386,7 +386,7 @@ def fluid_finish(releases: Sequence[tuple[float, float]], capacity: Sequence[tup
 
 # -- step-level drivers ------------------------------------------------------------------------
 
-POLICIES = ("static", "colocated", "tail", "libra")
+POLICIES = ("static", "colocated", "tail", "elastic", "libra")
 
 
 def _train_work(programs: Sequence[Program], tcost: TrainCost) -> tuple[float, float]:
@@ -530,10 +530,33 @@ def tail_step(fresh: Sequence[Program], deferred: list, rcost, tcost, cfg: SimCo
             - sum(p.generated for p in trained)}
 
 
+def _libra_sync_step(progs, rcost, tcost, cfg: SimConfig, step: int, state: dict) -> dict:
+    """Libra, synchronous: the planner (fed with the previous steps' programs) picks ``split`` (R
+    engines, N - R trainers; moving GPUs costs one ``switch_s``) or ``elastic`` for this step;
+    the first step, with no estimate yet, is elastic."""
+    from .planner import Planner, ProgramEstimator
+    est = state.setdefault("est", ProgramEstimator())
+    pl = state.setdefault("planner", Planner(rcost, tcost, cfg.gpus, sync_s=cfg.sync_s, switch_s=cfg.switch_s))
+    prev = state.get("prev")                       # ("elastic", N) or ("split", R)
+    plan = None if not est._steps else pl.plan_sync(est, len(progs))
+    if plan is None or plan.mode == "elastic":
+        out = elastic_sync_step(progs, rcost, tcost, cfg, first=(step == 0))
+        state["prev"] = ("elastic", cfg.gpus)
+    else:
+        out = _sync_step_static(progs, rcost, tcost, cfg, plan.rollout_gpus)
+        if prev != ("split", plan.rollout_gpus):
+            out["step_s"] += cfg.switch_s
+        state["prev"] = ("split", plan.rollout_gpus)
+    out["mode"] = state["prev"][0]
+    est.update(progs)
+    return out
+
+
 def run_sync(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost,
              progress: bool = False) -> dict:
     """Synchronous RL (``cfg.staleness == 0``) for ``cfg.steps`` steps; returns per-step rows and totals."""
     rows, deferred = [], []
+    state: dict = {}
     r0 = tune_static_split(step_batch(wcfg, 0), rcost, tcost, cfg) if policy in ("static", "tail") else cfg.gpus
     over = int(round(wcfg.groups * (1 + cfg.tail_overprovision)))
     for s in range(cfg.steps):
@@ -546,8 +569,10 @@ def run_sync(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCo
                 out = _sync_step_static(progs, rcost, tcost, cfg, r0)
             elif policy == "colocated":
                 out = _sync_step_colocated(progs, rcost, tcost, cfg)
-            elif policy == "libra":
+            elif policy == "elastic":
                 out = elastic_sync_step(progs, rcost, tcost, cfg, first=(s == 0))
+            elif policy == "libra":
+                out = _libra_sync_step(progs, rcost, tcost, cfg, s, state)
             else:
                 raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         trained = out.pop("trained")
