@@ -67,6 +67,7 @@ def test_role_switch_keeps_gradients(pool):
     pool.to_training(2)
 
 
+@pytest.mark.timeout(120)
 def test_pool_rejects_bad_switches(pool):
     with pytest.raises(ValueError, match="already training"):
         pool.to_training(0)

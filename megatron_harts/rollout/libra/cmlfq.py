@@ -22,7 +22,8 @@ does without retraction):
 
 Interface (what the simulator and a real router call): ``push(req, now)``, ``pop(bucket, now)``
 (``bucket`` of the engine asking; returns a :class:`Request` or ``None``), ``route(req)`` (the
-bucket a program should run on), ``__len__``.
+bucket a program should run on), ``__len__``, ``clone()`` (an empty queue with the same rules:
+one per engine).
 """
 from __future__ import annotations
 
