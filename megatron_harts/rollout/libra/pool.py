@@ -1,8 +1,9 @@
 """A real elastic pool: Ray actors that train data-parallel over gloo and switch roles without
 restarting the job (CPU here; the same code on GPUs swaps gloo for NCCL).
 
-Every worker joins one world process group at start (``torch.distributed``, gloo, rendezvous at the
-rank-0 actor's node address, so Ray may place workers on several nodes). The data-parallel group
+Every worker joins one world process group at start (``torch.distributed``, gloo, rendezvous at a
+free port on the node where Ray placed the rank-0 actor, so Ray may place workers on several
+nodes; only one node was tried). The data-parallel group
 of the *training* workers is a subgroup rebuilt with ``torch.distributed.new_group`` whenever the
 set changes (a collective over the world: every worker calls it with the same ranks, members or
 not) and handed to training code as Megatron's
@@ -43,10 +44,11 @@ logger = logging.getLogger(__name__)
 
 class PoolWorker:
     """One worker of the pool (a Ray actor in :class:`ElasticPool`). ``rank``/``world``: its place in
-    the world group; ``init_method``: ``tcp://host:port`` of the rendezvous."""
+    the world group. :meth:`address` gives a rendezvous address on this worker's node; every
+    worker then calls :meth:`setup` with rank 0's (``tcp://host:port``)."""
 
-    def __init__(self, rank: int, world: int, init_method: str, hf_config: dict, *, seed: int = 0,
-                 threads: int = 1, lr: float = 1e-3, timeout_s: float = 120.0):
+    def __init__(self, rank: int, world: int, hf_config: dict, *, seed: int = 0, threads: int = 1,
+                 lr: float = 1e-3, timeout_s: float = 120.0):
         sys.modules.setdefault("fla", None)              # transformers' torch path (as the embedded engine)
         sys.modules.setdefault("causal_conv1d", None)
         import torch
@@ -55,11 +57,7 @@ class PoolWorker:
 
         torch.set_num_threads(threads)
         self.torch, self.dist = torch, dist
-        self.rank, self.world, self.hf_config = rank, world, dict(hf_config)
-        t0 = time.perf_counter()
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        self.init_s = time.perf_counter() - t0
+        self.rank, self.world, self.hf_config, self.timeout_s = rank, world, dict(hf_config), timeout_s
         torch.manual_seed(seed)
         self.model = Qwen3NextForCausalLM(Qwen3NextConfig(**hf_config)).float().train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -68,6 +66,21 @@ class PoolWorker:
         self.dp_ranks: list[int] = []
         self.server = None
         self.engine = None
+
+    def address(self) -> str:
+        """``tcp://<this node's IP>:<free port>`` (call on rank 0: the TCP store lives there)."""
+        import ray
+
+        from megatron_harts.rollout.engines import free_port
+        ip = ray.util.get_node_ip_address()
+        return f"tcp://{ip}:{free_port(ip)}"
+
+    def setup(self, init_method: str) -> float:
+        """Join the world process group (gloo); returns seconds."""
+        t0 = time.perf_counter()
+        self.dist.init_process_group("gloo", init_method=init_method, rank=self.rank, world_size=self.world,
+                                     timeout=timedelta(seconds=self.timeout_s))
+        return time.perf_counter() - t0
 
     # -- process groups ------------------------------------------------------------------------
 
@@ -246,14 +259,6 @@ class PoolWorker:
             self.dist.destroy_process_group()
 
 
-def _node_and_port() -> tuple[str, int]:
-    import ray
-
-    from megatron_harts.rollout.engines import free_port
-    ip = ray.util.get_node_ip_address()
-    return ip, free_port(ip)
-
-
 class ElasticPool:
     """``n`` :class:`PoolWorker` Ray actors, all training at first. ``to_rollout(r)`` /
     ``to_training(r)`` switch worker ``r``'s role and return the seconds of each part.
@@ -277,12 +282,11 @@ class ElasticPool:
         self.ray = ray
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        # rendezvous on the node where Ray puts rank 0
-        probe = ray.remote(num_cpus=0)(_node_and_port)
-        host, port = ray.get(probe.remote())
         Actor = ray.remote(num_cpus=cpus_per_worker)(PoolWorker)
-        init = f"tcp://{host}:{port}"
-        self.workers = [Actor.remote(r, n, init, hf_config, seed=seed, threads=threads, lr=lr) for r in range(n)]
+        self.workers = [Actor.remote(r, n, hf_config, seed=seed, threads=threads, lr=lr) for r in range(n)]
+        # rendezvous on the node where Ray placed rank 0 (the TCP store's host)
+        init = ray.get(self.workers[0].address.remote())
+        self.init_s = max(ray.get([w.setup.remote(init) for w in self.workers]))
         self.training = list(range(n))
         self.resident = resident_engines
         self.version = 0
