@@ -266,7 +266,13 @@ def test_planner_prefers_balanced_async_split_and_respects_switch_cost():
     sticky = planner.Planner(rc, tc, 8, sync_s=1.0, switch_s=1e9)
     other = 1 if plan.rollout_gpus != 1 else 2
     assert sticky.plan_async(est, len(progs), 1, current=other).rollout_gpus == other
-    assert pl.plan_sync(est, len(progs)).mode in ("split", "elastic")
+    # synchronous: an elastic step pays two switches, so a huge switch cost means a split; with free
+    # switches and a tail much longer than the bulk, the elastic pool
+    assert planner.Planner(rc, tc, 8, sync_s=1.0, switch_s=1e6).plan_sync(est, len(progs)).mode == "split"
+    free = planner.Planner(rc, tc, 8, sync_s=1.0, switch_s=0.0).plan_sync(est, len(progs))
+    ro = free.detail
+    assert ro["rollout_critical"] > 2 * ro["rollout_bulk"] and free.mode == "elastic"
+    assert free.predicted_step_s == min(ro["split_s"], ro["elastic_s"])
 
 
 @pytest.mark.parametrize("policy", ["static", "colocated", "tail", "elastic", "libra"])
