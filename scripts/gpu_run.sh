@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU benchmark step with fla's saved autotuning (configs/fla/<GPU>) reused and extended.
 #   scripts/gpu_run.sh STEP [extra args]      STEP: check | ops | e2e-swe | e2e-tau | e2e-sweep | e2e-moe
-#                                                   | e2e-norc | verify | calibrate | pretrain | rl
+#                                                   | e2e-norc | verify | calibrate | pretrain | rl | libra
 # rl: the on-policy RL loop with SGLang (scripts/gpu_rl.py; SGLang in /tmp/site, see scripts/device/)
 # e2e-norc: recomputation off at 16K-token microbatches (the 1.48B model without recomputation runs
 # out of memory at 32K on the 139 GiB H200, so SWE-like trajectories of up to 64K tokens cannot run).
@@ -43,6 +43,7 @@ case "$step" in
   e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_norc16k.json --models dense --workloads tau,sweep \
                --compressions 2,6,10 --capacity 16384 --recompute off "${save[@]}" "$@" ;;
   rl)        python3 scripts/gpu_rl.py --out "$OUT" "$@" ;;
+  libra)     python3 scripts/libra_colocated_h200.py --out "$OUT" "$@" ;;
   verify)    python3 -m megatron_harts.verify --device cuda --model 1.5b "$@" | tee "$OUT/verify_1p5b.json" ;;
   calibrate) python3 scripts/calibrate_cost.py --out "$OUT/cost_model.json" "$@" ;;
   pretrain)

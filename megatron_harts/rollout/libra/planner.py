@@ -1,0 +1,183 @@
+"""The Libra planner: per RL step (or on drift) choose how many of ``N`` GPUs roll out and how many
+train, from the cost models (:mod:`.costs`) and the online distribution of recent programs.
+
+Predictions (seconds), for ``R`` rollout engines and ``n`` programs drawn from the estimate:
+
+* rollout bulk: decode tokens / (``R`` x engine tokens/s at the per-engine batch ``min(max_batch,
+  n / R)`` and the mean context) + prefill tokens / (``R`` x prefill tokens/s);
+* rollout critical path: the ``1 - 1/(2n)`` quantile (the largest of ``n``) over programs of (generated tokens x decode
+  iteration time + the program's tool seconds + its prefill), the iteration time taken at the
+  batch the engine holds on average while that program runs (``B x mean / its length``): the
+  longest program, which a synchronous step waits for however many engines it has;
+* synchronous rollout = max(bulk, critical); asynchronous (staleness >= 1) = bulk of the ``k + 1``
+  batches in flight divided by ``k + 1`` (the tail of one batch overlaps the next);
+* training: :meth:`~.costs.TrainCost.step_s` on ``N - R`` GPUs, plus the weight sync.
+
+Synchronous RL: ``split`` (``R`` engines, ``N - R`` trainers, rollout then training) against
+``elastic`` (all ``N`` roll out; drained engines switch to training and train completed groups
+during the tail; predicted as the rollout on ``N``, a switch, the training that half the pool
+cannot absorb during the tail (at least one group's share of it), the sync, and the switch back). Asynchronous RL: ``R`` minimising max(rollout per batch, training + sync);
+a re-split is taken only when the predicted saving over ``horizon`` steps exceeds the switch
+cost (``switch_s`` per moved GPU, counted as lost GPU-seconds over ``N``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .costs import RolloutCost, TrainCost
+from .workload import Program, compact_tokens
+
+logger = logging.getLogger(__name__)
+
+FIELDS = ("gen", "turns", "tool_s", "tokens", "prefill")
+
+
+def program_stats(programs: Sequence[Program]) -> np.ndarray:
+    """``[n, 5]`` float array of ``FIELDS`` per program: generated tokens, turns, tool seconds,
+    trajectory tokens, prefill tokens (prompt + observations, with prefix caching)."""
+    return np.array([[p.generated, p.turns, float(p.tool_s.sum()), p.tokens, p.prompt + int(p.obs.sum())]
+                     for p in programs], dtype=np.float64)
+
+
+@dataclass
+class ProgramEstimator:
+    """Exponentially weighted per-program statistics of recent steps (step ``age`` steps old
+    weighs ``decay ** age``; ``window`` steps kept), plus each step's compression (trajectory /
+    compact tokens). Same weighting as :class:`~.costs.LengthEstimator`, over several fields so
+    that joint quantities (a program's critical path) keep their correlation."""
+
+    decay: float = 0.7
+    window: int = 8
+    drift_tol: float = 0.15
+    _steps: list = field(default_factory=list)
+    _compression: list = field(default_factory=list)
+
+    def update(self, programs: Sequence[Program]) -> bool:
+        """Add a step; returns True if its median generated length moved by > ``drift_tol``."""
+        s = program_stats(programs)
+        drift = bool(self._steps) and abs(np.median(s[:, 0]) / max(self.quantile(lambda x: x[:, 0], 0.5), 1e-9) - 1) > self.drift_tol
+        self._steps.append(s)
+        self._compression.append(s[:, 3].sum() / compact_tokens(list(programs)))
+        del self._steps[:-self.window], self._compression[:-self.window]
+        return drift
+
+    def _weighted(self):
+        if not self._steps:
+            raise ValueError("ProgramEstimator has no steps yet")
+        n = len(self._steps)
+        xs = np.concatenate(self._steps)
+        ws = np.concatenate([np.full(len(s), self.decay ** (n - 1 - i) / len(s)) for i, s in enumerate(self._steps)])
+        return xs, ws / ws.sum()
+
+    def mean(self, fn) -> float:
+        xs, ws = self._weighted()
+        return float(np.sum(fn(xs) * ws))
+
+    def quantile(self, fn, q: float) -> float:
+        xs, ws = self._weighted()
+        v = fn(xs)
+        o = np.argsort(v, kind="stable")
+        cw = np.cumsum(ws[o])
+        return float(v[o][min(int(np.searchsorted(cw, q - 1e-12)), len(v) - 1)])
+
+    def compression(self) -> float:
+        w = np.array([self.decay ** (len(self._compression) - 1 - i) for i in range(len(self._compression))])
+        return float(np.sum(np.array(self._compression) * w) / w.sum())
+
+
+@dataclass
+class Plan:
+    mode: str                  # "split" | "elastic" | "async"
+    rollout_gpus: int
+    train_gpus: int
+    predicted_step_s: float
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class Planner:
+    rollout: RolloutCost
+    train: TrainCost
+    gpus: int
+    sync_s: float = 2.57
+    switch_s: float = 10.0
+    horizon: int = 3
+
+    def __post_init__(self):
+        if self.gpus < 2:
+            raise ValueError(f"gpus must be >= 2 (one rollout engine and one trainer), got {self.gpus}")
+
+    # -- predictions -------------------------------------------------------------------------
+
+    def rollout_s(self, est: ProgramEstimator, n: int, engines: int, *, inflight: int = 1) -> dict:
+        """Predicted rollout seconds of ``n`` programs on ``engines`` engines (``inflight`` batches
+        of ``n`` share them: asynchronous RL). Keys: bulk, critical, sync, per_batch."""
+        rc = self.rollout
+        total = n * inflight
+        B = max(1.0, min(rc.max_batch, total / engines))
+        mean_gen = est.mean(lambda x: x[:, 0])
+        mean_ctx = est.mean(lambda x: x[:, 3]) / 2
+        step = rc.step_s(B, B * mean_ctx)
+        dec = total * mean_gen * step / B / engines
+        pre = total * est.mean(lambda x: x[:, 4]) / rc.prefill_tok_s / engines
+        bulk = dec + pre
+        q = 1.0 - 0.5 / max(n, 2)          # the largest of n draws
+
+        def path(x):
+            # while a program of g tokens decodes, its engine runs ~B * mean_gen / g others on average
+            b = np.maximum(1.0, np.minimum(B, B * mean_gen / np.maximum(x[:, 0], 1.0)))
+            return x[:, 0] * rc.step_s(b, b * mean_ctx) + x[:, 2] + x[:, 4] / rc.prefill_tok_s
+
+        critical = est.quantile(path, q)
+        return {"bulk": bulk, "critical": critical, "sync": max(bulk, critical), "per_batch": bulk / inflight}
+
+    def train_s(self, est: ProgramEstimator, n: int, gpus: int) -> float:
+        tokens = n * est.mean(lambda x: x[:, 3])
+        return self.train.step_s(tokens / est.compression(), est.mean(lambda x: x[:, 3]), gpus)
+
+    # -- plans -------------------------------------------------------------------------------
+
+    def plan_sync(self, est: ProgramEstimator, n: int) -> Plan:
+        """Best ``split`` against ``elastic`` for a synchronous step of ``n`` programs."""
+        best = None
+        for r in range(1, self.gpus):
+            t = self.rollout_s(est, n, r)["sync"] + self.train_s(est, n, self.gpus - r) + self.sync_s
+            if best is None or t < best[0]:
+                best = (t, r)
+        ro = self.rollout_s(est, n, self.gpus)
+        tr = self.train_s(est, n, self.gpus)
+        # engines drained during the tail train the completed groups there: about half the pool over
+        # the tail (critical path minus bulk, minus the switch) is available; the rest of the
+        # training (at least the last group's share) runs after the last engines switch
+        tail = max(0.0, ro["critical"] - ro["bulk"] - self.switch_s)
+        work = tr * self.gpus
+        groups = max(1.0, n / 8)
+        residual = max(work - tail * self.gpus / 2, work / groups) / self.gpus
+        elastic = ro["sync"] + self.switch_s + residual + self.sync_s + self.switch_s
+        detail = {"split_s": best[0], "split_r": best[1], "elastic_s": elastic, **{f"rollout_{k}": v for k, v in ro.items()}}
+        if elastic < best[0]:
+            return Plan("elastic", self.gpus, 0, elastic, detail)
+        return Plan("split", best[1], self.gpus - best[1], best[0], detail)
+
+    def async_step_s(self, est: ProgramEstimator, n: int, r: int, staleness: int) -> float:
+        ro = self.rollout_s(est, n, r, inflight=staleness + 1)["per_batch"]
+        return max(ro, self.train_s(est, n, self.gpus - r) + self.sync_s)
+
+    def plan_async(self, est: ProgramEstimator, n: int, staleness: int, current: int | None = None) -> Plan:
+        """``R`` for bounded-staleness asynchronous RL; keeps ``current`` unless moving saves more
+        than the switch over ``horizon`` steps."""
+        if staleness < 1:
+            raise ValueError(f"plan_async needs staleness >= 1, got {staleness}")
+        costs = {r: self.async_step_s(est, n, r, staleness) for r in range(1, self.gpus)}
+        r = min(costs, key=costs.get)
+        if current is not None and current in costs and r != current:
+            moved = abs(r - current)
+            saving = (costs[current] - costs[r]) * self.horizon
+            if saving <= self.switch_s * moved / self.gpus + 1e-9:
+                r = current
+        return Plan("async", r, self.gpus - r, costs[r], {"costs": costs})

@@ -1,0 +1,695 @@
+"""Trace-driven discrete-event simulator of rollout engines and RL steps (SIMULATION: every number it
+produces is simulated from the cost models of :mod:`.costs`, never measured).
+
+:class:`EnginePool` simulates continuous-batching engines exactly for the linear decode model of
+:class:`~.costs.RolloutCost`: between two events an engine runs decode iterations at a fixed
+batch, and the time of ``n`` iterations is closed-form (contexts grow by one token per request
+per iteration), so an event is a request completion, a tool return, a release or an engine
+joining, never a single decode iteration (thousands of programs x 64 engines run in seconds).
+Each engine has its own waiting queue ordered by the queue policy (:mod:`.cmlfq`); programs are
+sticky to their last engine (prefix cache: a turn on the same engine prefills only its new
+tokens, elsewhere the whole context), new programs and programs the policy routes to another
+bucket go to the least-loaded engine of their bucket, and an engine with a free slot and an
+empty queue steals the best request of the longest queue (a cache miss).
+
+Step-level drivers (:func:`run_policy`): ``static`` (a fixed rollout/training split tuned on
+the first step, verl-style disaggregation), ``colocated`` (verl's hybrid engine: all GPUs roll
+out, then all train), ``tail`` (RollPacker-style tail batching on the static split), ``elastic`` (synchronous: an
+elastic pool whose drained engines switch to training and train the completed groups while the
+tail still runs), ``libra`` (the planner decides every step; synchronous: ``elastic`` or a split
+it re-tunes; asynchronous: bounded staleness ``k`` with the split re-planned per batch).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .cmlfq import SIGNAL_NONE, QueuePolicy, Request, make_policy
+from .costs import RolloutCost, TrainCost
+from .workload import Program, WorkloadConfig, compact_tokens, step_batch
+
+logger = logging.getLogger(__name__)
+
+_READY, _DONE, _JOIN = 0, 1, 2
+
+
+@dataclass
+class Engine:
+    eid: int
+    cost: RolloutCost
+    bucket: int = 0
+    active: bool = True
+    draining: bool = False
+    left: bool = False                  # drained and gone (to training)
+    t: float = 0.0                      # the engine's clock: simulated up to here
+    version: int = 0
+    rem: list = field(default_factory=list)     # remaining tokens of each running request
+    ctx: list = field(default_factory=list)     # context of each running request
+    prog: list = field(default_factory=list)    # program index of each running request
+    busy_s: float = 0.0
+    tokens: int = 0
+
+    @property
+    def batch(self) -> int:
+        return len(self.rem)
+
+    def advance(self, t: float) -> None:
+        """Run decode iterations up to time ``t`` (never past a request's completion)."""
+        if not self.rem:
+            self.t = max(self.t, t)
+            return
+        B, C = len(self.rem), float(sum(self.ctx))
+        n = min(self.cost.steps_within(t - self.t, B, C), min(self.rem))
+        if n > 0:
+            self._step(n, B, C)
+
+    def _step(self, n: int, B: int, C: float) -> None:
+        dt = float(self.cost.steps_time(n, B, C))
+        self.t += dt
+        self.busy_s += dt
+        self.tokens += n * B
+        self.rem = [r - n for r in self.rem]
+        self.ctx = [c + n for c in self.ctx]
+
+    def next_done(self) -> float:
+        B, C = len(self.rem), float(sum(self.ctx))
+        return self.t + float(self.cost.steps_time(min(self.rem), B, C))
+
+
+class EnginePool:
+    """Engines, programs, a queue policy and an event heap. ``engines``: list of
+    ``(RolloutCost, bucket)``; ``policy``: a :class:`~.cmlfq.QueuePolicy`; ``predictor(program)``:
+    predicted remaining tokens for SPF (``None``: the oracle remaining length times log-normal
+    noise of ``pred_sigma``, seeded)."""
+
+    def __init__(self, engines: Sequence[tuple[RolloutCost, int]], policy: QueuePolicy, *, pred_sigma: float = 0.5,
+                 seed: int = 0, sticky: bool = True, overflow: float = 2.0):
+        self.engines = [Engine(i, c, b) for i, (c, b) in enumerate(engines)]
+        self.policy, self.sticky, self.overflow = policy, sticky, overflow
+        self.queues = [policy.clone() for _ in self.engines]   # one waiting queue per engine
+        self.rng = np.random.default_rng(seed)
+        self.pred_sigma = pred_sigma
+        self.programs: list[Program] = []
+        self.turn: list[int] = []
+        self.attained: list[int] = []
+        self.last_engine: list[int] = []
+        self.cached: list[int] = []
+        self.release: list[float] = []
+        self.done_at: list[float] = []
+        self.tag: list[object] = []
+        self._noise: list[float] = []
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.on_program_done: Optional[Callable[[int, float], None]] = None
+        self.on_engine_left: Optional[Callable[[int, float], None]] = None
+        self.prefill_tokens = 0
+        self.cache_misses = 0
+
+    # -- building ----------------------------------------------------------------------------
+
+    def add_programs(self, programs: Sequence[Program], release: float, tag: object = None) -> list[int]:
+        ids = []
+        for p in programs:
+            i = len(self.programs)
+            self.programs.append(p)
+            self.turn.append(0), self.attained.append(0), self.last_engine.append(-1), self.cached.append(0)
+            self.release.append(release), self.done_at.append(math.nan), self.tag.append(tag)
+            self._noise.append(float(self.rng.lognormal(0.0, self.pred_sigma)) if self.pred_sigma > 0 else 1.0)
+            self._push(release, _READY, i)
+            ids.append(i)
+        return ids
+
+    def _push(self, t: float, kind: int, x: int, y: int = 0) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, x, y))
+
+    def add_engine(self, cost: RolloutCost, bucket: int, ready_at: float) -> int:
+        e = Engine(len(self.engines), cost, bucket, active=False, t=ready_at)
+        self.engines.append(e)
+        self.queues.append(self.policy.clone())
+        self._push(ready_at, _JOIN, e.eid)
+        return e.eid
+
+    def drain(self, eid: int, now: float) -> None:
+        """Stop admitting on ``eid``; it leaves (``on_engine_left``) once its running requests end."""
+        e = self.engines[eid]
+        if not e.active or e.draining:
+            raise ValueError(f"engine {eid} is not an active engine")
+        e.draining = True
+        q = self.queues[eid]
+        moved = []
+        while len(q):
+            moved.append(q.pop(0, now))
+        for req in moved:                           # its waiting turns go elsewhere
+            self._enqueue(req.program, req, now)
+        if not e.rem:
+            self._leave(e, now)
+
+    def _leave(self, e: Engine, now: float) -> None:
+        e.active, e.draining, e.left = False, False, True
+        if self.on_engine_left:
+            self.on_engine_left(e.eid, max(now, e.t))
+
+    @property
+    def active_engines(self) -> list[Engine]:
+        return [e for e in self.engines if e.active and not e.draining]
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _request(self, i: int, now: float) -> Request:
+        p, t = self.programs[i], self.turn[i]
+        prev = t - 1
+        return Request(program=i, turn=t, ctx=p.ctx_before(t), attained=self.attained[i],
+                       signal=int(p.signal[prev]) if prev >= 0 else SIGNAL_NONE,
+                       obs_tokens=int(p.obs[prev]) if prev >= 0 else 0, arrival=now,
+                       predicted_remaining=float(p.gen[t:].sum()) * self._noise[i])
+
+    def _fits(self, e: Engine, ctx: int) -> bool:
+        return e.batch < e.cost.max_batch and sum(e.ctx) + ctx <= e.cost.kv_tokens
+
+    def _admit(self, e: Engine, i: int, now: float) -> None:
+        p, t = self.programs[i], self.turn[i]
+        ctx = p.ctx_before(t)
+        hit = self.last_engine[i] == e.eid
+        new = ctx - (self.cached[i] if hit else 0)
+        if not hit and self.last_engine[i] >= 0:
+            self.cache_misses += 1
+        e.advance(now)
+        pre = new / e.cost.prefill_tok_s
+        e.t = max(e.t, now) + pre
+        e.busy_s += pre
+        self.prefill_tokens += new
+        e.rem.append(int(p.gen[t]))
+        e.ctx.append(ctx)
+        e.prog.append(i)
+        self.last_engine[i] = e.eid
+
+    def _schedule(self, e: Engine) -> None:
+        e.version += 1
+        if e.rem:
+            self._push(e.next_done(), _DONE, e.eid, e.version)
+
+    def _load(self, e: Engine) -> int:
+        return e.batch + len(self.queues[e.eid])
+
+    def _target(self, i: int, req: Request) -> Engine:
+        """Sticky routing: the program's last engine if it is serving and in the bucket the policy
+        routes it to; else the least-loaded (running + waiting) engine of that bucket; else of any."""
+        b = self.policy.route(req)
+        last = self.last_engine[i]
+        serving = [e for e in self.engines if e.active and not e.draining]
+        if not serving:
+            serving = [e for e in self.engines if not e.draining and not e.left]    # engines about to join
+        if not serving:
+            raise RuntimeError("EnginePool: no engine serves or is about to join (all drained)")
+        if self.sticky and last >= 0:
+            e = self.engines[last]
+            if e.active and not e.draining and (e.bucket == b or not any(x.bucket == b for x in serving)):
+                return e
+        same = [e for e in serving if e.bucket == b] or serving
+        best = min(same, key=lambda e: (self._load(e), e.eid))
+        anyb = min(serving, key=lambda e: (self._load(e), e.eid))
+        if self._load(best) > self.overflow * (self._load(anyb) + 1):
+            return anyb                           # the bucket is overloaded: spill over
+        return best
+
+    def _enqueue(self, i: int, req: Request, now: float) -> None:
+        e = self._target(i, req)
+        self.queues[e.eid].push(req, req.arrival)
+        if e.active and not e.draining and e.batch < e.cost.max_batch:
+            self._fill(e, now)
+
+    def _steal(self, e: Engine, now: float) -> Optional[Request]:
+        """An engine with a free slot and an empty queue takes the best request of the longest
+        queue (same bucket first): work conserving, at the price of a prefix-cache miss."""
+        cands = [x for x in self.engines if x is not e and len(self.queues[x.eid])]
+        if not cands:
+            return None
+        v = max(cands, key=lambda x: (x.bucket == e.bucket, len(self.queues[x.eid]), -x.eid))
+        if len(self.queues[v.eid]) < 2 and v.active and not v.draining and v.batch < v.cost.max_batch:
+            return None                           # its own engine will take it
+        return self.queues[v.eid].pop(e.bucket, now)
+
+    def _fill(self, e: Engine, now: float) -> None:
+        if not e.active or e.draining:
+            return
+        changed = False
+        q = self.queues[e.eid]
+        while e.batch < e.cost.max_batch:
+            req = q.pop(e.bucket, now) if len(q) else self._steal(e, now)
+            if req is None:
+                break
+            if not self._fits(e, req.ctx) and e.batch > 0:
+                q.push(req, req.arrival)          # back, unchanged arrival (KV full)
+                break
+            self._admit(e, req.program, now)
+            changed = True
+        if changed:
+            self._schedule(e)
+
+    def _ready(self, i: int, now: float) -> None:
+        self._enqueue(i, self._request(i, now), now)
+
+    def _complete(self, e: Engine, now: float) -> None:
+        B, C = e.batch, float(sum(e.ctx))
+        n = min(e.rem)
+        e._step(n, B, C)
+        e.t = now                                  # exact event time (no float drift)
+        keep = [k for k, r in enumerate(e.rem) if r > 0]
+        finished = [e.prog[k] for k, r in enumerate(e.rem) if r <= 0]
+        fin_ctx = {e.prog[k]: e.ctx[k] for k, r in enumerate(e.rem) if r <= 0}
+        e.rem, e.ctx, e.prog = [e.rem[k] for k in keep], [e.ctx[k] for k in keep], [e.prog[k] for k in keep]
+        for i in finished:
+            p, t = self.programs[i], self.turn[i]
+            self.attained[i] += int(p.gen[t])
+            self.cached[i] = fin_ctx[i]
+            self.turn[i] = t + 1
+            if self.turn[i] >= p.turns:
+                self.done_at[i] = now
+                if self.on_program_done:
+                    self.on_program_done(i, now)
+            else:
+                self._push(now + float(p.tool_s[t]), _READY, i)
+        if e.draining:
+            if e.rem:
+                self._schedule(e)
+            else:
+                self._leave(e, now)
+        else:
+            self._fill(e, now)
+            self._schedule(e)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Process one event; False when none is left."""
+        while self._heap:
+            t, _, kind, x, y = heapq.heappop(self._heap)
+            if kind == _DONE and (y != self.engines[x].version or not self.engines[x].rem):
+                continue                             # stale
+            self.now = t
+            if kind == _READY:
+                self._ready(x, t)
+            elif kind == _DONE:
+                self._complete(self.engines[x], t)
+            elif kind == _JOIN:
+                e = self.engines[x]
+                e.active, e.t = True, max(e.t, t)
+                self._fill(e, t)
+            return True
+        return False
+
+    def run(self, until: Optional[Callable[[], bool]] = None) -> float:
+        while (until is None or not until()) and self.step():
+            pass
+        return self.now
+
+    def reset_clock_idle(self, t: float) -> None:
+        for e in self.engines:
+            e.t = max(e.t, t)
+
+
+# -- helpers for the drivers -------------------------------------------------------------------
+
+@dataclass
+class SimConfig:
+    """Shared settings of a simulated run (seconds, GPUs). ``sync_s``: weight sync per step (default:
+    the measured median export + push of ``rollout.json``); ``switch_s``: one role switch of one
+    GPU (ASSUMPTION, never measured on the H200); ``staleness``: 0 = synchronous RL, k >= 1 =
+    bounded-staleness asynchronous RL; ``queue``: the queue policy name; ``long_bucket``: GPUs of the
+    rollout pool set up for long contexts (C-MLFQ routes to them; other policies use them as
+    ordinary engines)."""
+
+    gpus: int = 16
+    steps: int = 20
+    staleness: int = 0
+    sync_s: float = 2.57
+    switch_s: float = 10.0
+    queue: str = "fcfs"
+    long_bucket: int = 0
+    pred_sigma: float = 0.5
+    tail_overprovision: float = 0.25
+    seed: int = 0
+
+
+def pool_for(rcost: RolloutCost, n: int, cfg: SimConfig, queue: str | None = None) -> EnginePool:
+    nl = min(cfg.long_bucket, max(0, n - 1))
+    engines = [(rcost, 0)] * (n - nl) + [(rcost, 1)] * nl
+    return EnginePool(engines, make_policy(queue or cfg.queue), pred_sigma=cfg.pred_sigma, seed=cfg.seed)
+
+
+def rollout_once(programs: Sequence[Program], rcost: RolloutCost, engines: int, cfg: SimConfig,
+                 queue: str | None = None) -> dict:
+    """Simulate one synchronous rollout of ``programs`` on ``engines`` engines released at t=0.
+    Returns makespan (s), per-program completion times (array, s), per-group completion times (dict)."""
+    pool = pool_for(rcost, engines, cfg, queue)
+    pool.add_programs(programs, 0.0)
+    end = pool.run()
+    done = np.array(pool.done_at)
+    groups: dict[int, float] = {}
+    for p, d in zip(programs, done):
+        groups[p.group] = max(groups.get(p.group, 0.0), float(d))
+    return {"makespan": float(np.nanmax(done)) if len(done) else 0.0, "done": done, "groups": groups, "end": end,
+            "tokens": int(sum(e.tokens for e in pool.engines)), "cache_misses": pool.cache_misses}
+
+
+def fluid_finish(releases: Sequence[tuple[float, float]], capacity: Sequence[tuple[float, int]]) -> float:
+    """Finish time of divisible work: ``releases`` = (time, GPU-seconds) that become available;
+    ``capacity`` = (time, GPUs) steps of the GPUs working on it (each step lasts until the next;
+    0 GPUs before the first). Work-conserving fluid schedule (a microbatch is assumed small next
+    to a group's work)."""
+    rel, cap = sorted(releases), sorted(capacity)
+    times = sorted({t for t, _ in rel} | {t for t, _ in cap})
+    if not rel or sum(w for _, w in rel) <= 0:
+        return max([t for t, _ in rel] or [0.0])
+    avail, k, ri, ci = 0.0, 0, 0, 0
+    for j, t in enumerate(times):
+        while ri < len(rel) and rel[ri][0] <= t:
+            avail += rel[ri][1]
+            ri += 1
+        while ci < len(cap) and cap[ci][0] <= t:
+            k = cap[ci][1]
+            ci += 1
+        nxt = times[j + 1] if j + 1 < len(times) else math.inf
+        if ri == len(rel) and k > 0 and avail <= k * (nxt - t):
+            return t + avail / k
+        if k > 0:
+            avail = max(0.0, avail - k * (nxt - t))
+    raise ValueError("fluid_finish: no GPU ever works on the released work")
+
+
+# -- step-level drivers ------------------------------------------------------------------------
+
+POLICIES = ("static", "colocated", "tail", "elastic", "libra")
+
+
+def _train_work(programs: Sequence[Program], tcost: TrainCost) -> tuple[float, float]:
+    """(compact tokens, mean trajectory length) of a set of programs."""
+    if not programs:
+        return 0.0, 1.0
+    return float(compact_tokens(list(programs))), float(np.mean([p.tokens for p in programs]))
+
+
+def _comm_s(tcost: TrainCost, gpus: int) -> float:
+    return tcost.step_s(0.0, 1.0, gpus)                # all-reduce + optimizer only
+
+
+def tune_static_split(programs: Sequence[Program], rcost: RolloutCost, tcost: TrainCost, cfg: SimConfig) -> int:
+    """The rollout GPUs of the best fixed split for ``programs`` (the first step), found by simulating
+    the rollout on each candidate (every ``N / 16``-th R): the strongest static baseline (it is tuned
+    on the data it starts with). Synchronous: rollout makespan + training + sync; asynchronous
+    (staleness k): max(makespan / (k + 1), training + sync), a proxy of the pipelined step."""
+    n = cfg.gpus
+    cands = sorted(set(list(range(1, n, max(1, n // 16))) + [n - 1]))
+    comp, mlen = _train_work(programs, tcost)
+    best = None
+    for r in cands:
+        ro = rollout_once(programs, rcost, r, cfg)["makespan"]
+        if cfg.staleness == 0:
+            t = ro + tcost.step_s(comp, mlen, n - r) + cfg.sync_s
+        else:
+            t = max(ro / (cfg.staleness + 1), tcost.step_s(comp, mlen, n - r) + cfg.sync_s)
+        if best is None or t < best[0]:
+            best = (t, r)
+    return best[1]
+
+
+def _sync_step_static(programs, rcost, tcost, cfg, r) -> dict:
+    ro = rollout_once(programs, rcost, r, cfg)
+    comp, mlen = _train_work(programs, tcost)
+    tr = tcost.step_s(comp, mlen, cfg.gpus - r)
+    return {"rollout_s": ro["makespan"], "train_s": tr, "step_s": ro["makespan"] + tr + cfg.sync_s,
+            "rollout_gpus": r, "trained": programs, "p99_done": float(np.quantile(ro["done"], 0.99))}
+
+
+def _sync_step_colocated(programs, rcost, tcost, cfg) -> dict:
+    ro = rollout_once(programs, rcost, cfg.gpus, cfg)
+    comp, mlen = _train_work(programs, tcost)
+    tr = tcost.step_s(comp, mlen, cfg.gpus)
+    return {"rollout_s": ro["makespan"], "train_s": tr, "step_s": ro["makespan"] + 2 * cfg.switch_s + tr + cfg.sync_s,
+            "rollout_gpus": cfg.gpus, "trained": programs, "p99_done": float(np.quantile(ro["done"], 0.99))}
+
+
+def elastic_sync_step(programs: Sequence[Program], rcost: RolloutCost, tcost: TrainCost, cfg: SimConfig, *,
+                      low_batch: float | None = None, min_engines: int = 1, first: bool = False) -> dict:
+    """One synchronous step on Libra's elastic pool: all GPUs roll out; whenever the running programs
+    would fit on one engine fewer at ``low_batch`` each (default ``a / (8 b)`` of the decode model,
+    ~4: an engine that few requests runs at ~10% of its peak tokens/s, and packing the tail onto
+    fewer engines slows its decode iterations by only ~10%), the least-loaded engine drains and, after
+    ``switch_s``, trains the groups already complete (same global batch, gradients accumulated over
+    whichever GPUs computed them). At the end the remaining engines switch too; then all-reduce,
+    optimizer, weight sync, and (except before the first step) the switch back to rollout."""
+    low = rcost.a_s / rcost.b_s / 8 if low_batch is None else low_batch
+    pool = pool_for(rcost, cfg.gpus, cfg)
+    ids = pool.add_programs(programs, 0.0)
+    group_of = {i: programs[k].group for k, i in enumerate(ids)}
+    left_in_group: dict[int, int] = {}
+    for p in programs:
+        left_in_group[p.group] = left_in_group.get(p.group, 0) + 1
+    by_group: dict[int, list] = {}
+    for p in programs:
+        by_group.setdefault(p.group, []).append(p)
+    releases: list[tuple[float, float]] = []
+    capacity: list[tuple[float, int]] = []
+    train_gpus = [0]
+    active = [len(programs)]
+
+    def joined(eid: int, t: float) -> None:
+        train_gpus[0] += 1
+        capacity.append((t + cfg.switch_s, train_gpus[0]))
+
+    def done(i: int, t: float) -> None:
+        active[0] -= 1
+        g = group_of[i]
+        left_in_group[g] -= 1
+        if left_in_group[g] == 0:
+            comp, mlen = _train_work(by_group[g], tcost)
+            releases.append((t, tcost.gpu_seconds(comp, mlen)))
+        engines = pool.active_engines
+        if len(engines) > min_engines and active[0] < (len(engines) - 1) * low:
+            pool.drain(min(engines, key=lambda e: (e.batch, -e.eid)).eid, t)
+
+    pool.on_program_done, pool.on_engine_left = done, joined
+    end = pool.run()
+    rollout_s = float(np.nanmax(np.array(pool.done_at)))
+    rest = len(pool.active_engines) + sum(1 for e in pool.engines if e.draining)
+    capacity.append((rollout_s + cfg.switch_s, train_gpus[0] + rest))
+    finish = fluid_finish(releases, capacity)
+    tr_alone = finish - rollout_s
+    step = finish + _comm_s(tcost, cfg.gpus) + cfg.sync_s + (0.0 if first else cfg.switch_s)
+    return {"rollout_s": rollout_s, "train_s": tr_alone, "step_s": step, "rollout_gpus": cfg.gpus,
+            "trained": programs, "p99_done": float(np.quantile(np.array(pool.done_at), 0.99)),
+            "drained_before_end": train_gpus[0], "end": end}
+
+
+def tail_step(fresh: Sequence[Program], deferred: list, rcost, tcost, cfg: SimConfig, r: int, groups: int) -> dict:
+    """RollPacker-style tail batching on a fixed split of ``r`` engines. A *short round* launches
+    ``(1 + tail_overprovision) x groups`` fresh groups and ends when ``groups`` of them are complete;
+    the unfinished groups are aborted (their tokens wasted) and deferred. Once ``groups`` groups are
+    deferred, the next round is a *long round* that runs them to completion (no over-provisioning)."""
+    if len(deferred) >= groups:
+        todo = [g for g in deferred[:groups]]
+        del deferred[:groups]
+        programs = [p for g in todo for p in g]
+        out = _sync_step_static(programs, rcost, tcost, cfg, r)
+        out["round"] = "long"
+        return out
+    pool = pool_for(rcost, r, cfg)
+    ids = pool.add_programs(fresh, 0.0)
+    left: dict[int, int] = {}
+    for p in fresh:
+        left[p.group] = left.get(p.group, 0) + 1
+    complete: list[int] = []
+
+    def done(i, t):
+        g = pool.programs[i].group
+        left[g] -= 1
+        if left[g] == 0:
+            complete.append(g)
+
+    pool.on_program_done = done
+    pool.run(until=lambda: len(complete) >= groups)
+    t_end = pool.now
+    chosen = set(complete[:groups])
+    trained = [p for p in fresh if p.group in chosen]
+    by_group: dict[int, list] = {}
+    for p in fresh:
+        if p.group not in chosen:
+            by_group.setdefault(p.group, []).append(p)
+    deferred.extend(by_group.values())
+    comp, mlen = _train_work(trained, tcost)
+    tr = tcost.step_s(comp, mlen, cfg.gpus - r)
+    return {"rollout_s": t_end, "train_s": tr, "step_s": t_end + tr + cfg.sync_s, "rollout_gpus": r,
+            "trained": trained, "round": "short", "wasted_tokens": int(sum(e.tokens for e in pool.engines))
+            - sum(p.generated for p in trained)}
+
+
+def _libra_sync_step(progs, rcost, tcost, cfg: SimConfig, step: int, state: dict) -> dict:
+    """Libra, synchronous: the planner (fed with the previous steps' programs) picks ``split`` (R
+    engines, N - R trainers; moving GPUs costs one ``switch_s``) or ``elastic`` for this step;
+    the first step, with no estimate yet, is elastic."""
+    from .planner import Planner, ProgramEstimator
+    est = state.setdefault("est", ProgramEstimator())
+    pl = state.setdefault("planner", Planner(rcost, tcost, cfg.gpus, sync_s=cfg.sync_s, switch_s=cfg.switch_s))
+    prev = state.get("prev")                       # ("elastic", N) or ("split", R)
+    plan = None if not est._steps else pl.plan_sync(est, len(progs))
+    if plan is None or plan.mode == "elastic":
+        out = elastic_sync_step(progs, rcost, tcost, cfg, first=(step == 0))
+        state["prev"] = ("elastic", cfg.gpus)
+    else:
+        out = _sync_step_static(progs, rcost, tcost, cfg, plan.rollout_gpus)
+        if prev != ("split", plan.rollout_gpus):
+            out["step_s"] += cfg.switch_s
+        state["prev"] = ("split", plan.rollout_gpus)
+    out["mode"] = state["prev"][0]
+    est.update(progs)
+    return out
+
+
+def run_sync(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost,
+             progress: bool = False) -> dict:
+    """Synchronous RL (``cfg.staleness == 0``) for ``cfg.steps`` steps; returns per-step rows and totals."""
+    rows, deferred = [], []
+    state: dict = {}
+    r0 = tune_static_split(step_batch(wcfg, 0), rcost, tcost, cfg) if policy in ("static", "tail") else cfg.gpus
+    over = int(round(wcfg.groups * (1 + cfg.tail_overprovision)))
+    for s in range(cfg.steps):
+        if policy == "tail":
+            fresh = step_batch(wcfg, s, groups=over, group_offset=s * over * 2)
+            out = tail_step(fresh, deferred, rcost, tcost, cfg, r0, wcfg.groups)
+        else:
+            progs = step_batch(wcfg, s)
+            if policy == "static":
+                out = _sync_step_static(progs, rcost, tcost, cfg, r0)
+            elif policy == "colocated":
+                out = _sync_step_colocated(progs, rcost, tcost, cfg)
+            elif policy == "elastic":
+                out = elastic_sync_step(progs, rcost, tcost, cfg, first=(s == 0))
+            elif policy == "libra":
+                out = _libra_sync_step(progs, rcost, tcost, cfg, s, state)
+            else:
+                raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        trained = out.pop("trained")
+        out.update(step=s, tokens=int(sum(p.tokens for p in trained)), programs=len(trained))
+        out.pop("end", None)
+        rows.append(out)
+        if progress:
+            logger.info("%s step %d: %.1f s", policy, s, out["step_s"])
+    return _totals(policy, rows, cfg)
+
+
+def _totals(policy: str, rows: list[dict], cfg: SimConfig, wall: float | None = None) -> dict:
+    total_s = wall if wall is not None else sum(r["step_s"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    return {"policy": policy, "gpus": cfg.gpus, "staleness": cfg.staleness, "rows": rows, "total_s": total_s,
+            "tokens": tokens, "throughput": tokens / total_s, "step_s": total_s / len(rows), "simulated": True}
+
+
+def run_async(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost,
+              planner=None) -> dict:
+    """Bounded-staleness asynchronous RL (``cfg.staleness = k >= 1``): batch ``b`` is rolled out
+    with weights of version >= ``b - k`` (released when training step ``b - k - 1`` and its weight
+    sync are done), rollout engines run continuously, training step ``j`` starts when batch ``j``
+    is complete and step ``j - 1`` is done. ``static``: the split tuned on step 0, fixed.
+    ``libra``: ``planner.plan_async`` re-plans at every completed batch (its estimator fed with the
+    completed batches); moved GPUs pay ``switch_s``: engines drain first, trainers move between
+    training steps."""
+    from .planner import ProgramEstimator
+    k, n = cfg.staleness, cfg.gpus
+    if k < 1:
+        raise ValueError("run_async needs staleness >= 1")
+    batches = [step_batch(wcfg, s, group_offset=s * wcfg.groups) for s in range(cfg.steps)]
+    r = tune_static_split(batches[0], rcost, tcost, cfg)
+    pool = pool_for(rcost, r, cfg)
+    # training GPUs: times from which each is available to the trainer
+    trainers = [0.0] * (n - r)
+    left = [len(b) for b in batches]
+    batch_done = [math.nan] * cfg.steps
+    train_end = [math.nan] * cfg.steps
+    rows: list[dict] = []
+    est = ProgramEstimator()
+    state = {"next_train": 0, "released": 0}
+    released: dict[int, float] = {}
+
+    def release(b: int, t: float) -> None:
+        if b < cfg.steps and b == state["released"]:
+            pool.add_programs(batches[b], t, tag=b)
+            released[b] = t
+            state["released"] += 1
+
+    def joined(eid: int, t: float) -> None:
+        trainers.append(t + cfg.switch_s)
+
+    def advance_training(now: float) -> None:
+        while state["next_train"] < cfg.steps and not math.isnan(batch_done[state["next_train"]]):
+            j = state["next_train"]
+            start = max(batch_done[j], train_end[j - 1] if j else 0.0)
+            est.update(batches[j])
+            if policy == "libra" and planner is not None:
+                cur = len(pool.active_engines)
+                target = planner.plan_async(est, len(batches[j]), k, current=cur).rollout_gpus
+                if target < cur:
+                    for e in sorted(pool.active_engines, key=lambda e: (e.batch, -e.eid))[:cur - target]:
+                        pool.drain(e.eid, now)
+                elif target > cur:
+                    avail = sorted(trainers)
+                    move = min(target - cur, max(0, len(avail) - 1))
+                    for _ in range(move):
+                        trainers.remove(avail.pop(0))
+                        pool.add_engine(rcost, 0, start + cfg.switch_s)
+            g = sum(1 for t in trainers if t <= start)
+            if g == 0:                       # wait for the first trainer to arrive
+                start = min(trainers)
+                g = sum(1 for t in trainers if t <= start)
+            comp, mlen = _train_work(batches[j], tcost)
+            dur = tcost.step_s(comp, mlen, g)
+            train_end[j] = start + dur + cfg.sync_s
+            rows.append({"step": j, "rollout_gpus": len(pool.active_engines), "train_gpus": g, "train_s": dur,
+                         "batch_done": batch_done[j], "train_end": train_end[j],
+                         "tokens": int(sum(p.tokens for p in batches[j])), "programs": len(batches[j])})
+            state["next_train"] += 1
+            release(j + k + 1, train_end[j])
+
+    def done(i: int, t: float) -> None:
+        b = pool.tag[i]
+        left[b] -= 1
+        if left[b] == 0:
+            batch_done[b] = t
+            advance_training(t)
+
+    pool.on_program_done, pool.on_engine_left = done, joined
+    for b in range(min(k + 1, cfg.steps)):
+        release(b, 0.0)
+    pool.run()
+    if any(math.isnan(x) for x in train_end):
+        raise RuntimeError("run_async: not every step trained (simulator bug)")
+    prev = 0.0
+    for row in rows:
+        row["step_s"] = row["train_end"] - prev
+        prev = row["train_end"]
+    out = _totals(policy, rows, cfg, wall=train_end[-1])
+    out["release"] = released
+    return out
+
+
+def run_policy(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost,
+               planner=None) -> dict:
+    """Simulate ``policy`` (:data:`POLICIES`) for ``cfg.steps`` steps; synchronous when
+    ``cfg.staleness == 0``. Returns ``{policy, gpus, staleness, rows, total_s, tokens, throughput
+    (trained trajectory tokens/s), step_s, simulated: True}``."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if cfg.staleness == 0:
+        return run_sync(policy, wcfg, cfg, rcost, tcost)
+    if policy not in ("static", "libra"):
+        raise ValueError(f"asynchronous runs support static and libra, got {policy!r}")
+    if policy == "libra" and planner is None:
+        from .planner import Planner
+        planner = Planner(rcost, tcost, cfg.gpus, sync_s=cfg.sync_s, switch_s=cfg.switch_s)
+    return run_async(policy, wcfg, cfg, rcost, tcost, planner)

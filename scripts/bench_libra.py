@@ -1,0 +1,270 @@
+#!/usr/bin/env python
+"""Libra SIMULATION benchmark: GPU-split policies and request-queue policies on synthetic drifting,
+long-tailed agentic workloads, with cost models fitted on the project's H200 measurements
+(megatron_harts/rollout/libra/costs.py). Nothing here runs on a GPU; every row says
+``simulated: true``.
+
+Writes ``<out>/libra.json`` (rows ``{setting, policy, gpus, throughput, step_s, vs_static,
+simulated, ...}`` plus the queue comparison and the planner's prediction check), ``<out>/libra.md``
+(tables) and ``<out>/libra.png``.
+
+    python scripts/bench_libra.py                     # docs/benchmarks/, ~10 min on 2 CPU cores
+    python scripts/bench_libra.py --quick --out /tmp/libra
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_harts.rollout.libra import costs, planner, sim, workload  # noqa: E402
+
+log = logging.getLogger("bench_libra")
+
+SETTINGS = {
+    # lengths grow over training: generated tokens per turn x2.5, turns x~2 (default WorkloadConfig)
+    "drift": {},
+    "no-drift": {"gen_growth": 0.0, "turn_growth": 0.0},
+    # tool observations grow x9 (e.g. longer files / test logs): training tokens grow faster than decode
+    "obs-drift": {"gen_growth": 0.0, "turn_growth": 0.0, "obs_growth": 8.0},
+}
+RUNS = [  # (label, policy, staleness)
+    ("static (sync)", "static", 0),
+    ("colocated (sync)", "colocated", 0),
+    ("tail batching (sync)", "tail", 0),
+    ("elastic pool (sync)", "elastic", 0),
+    ("libra planner (sync)", "libra", 0),
+    ("static (async k=1)", "static", 1),
+    ("libra (async k=1)", "libra", 1),
+    ("static (async k=2)", "static", 2),
+    ("libra (async k=2)", "libra", 2),
+]
+
+
+def split_rows(args, rc, tc) -> list[dict]:
+    from tqdm import tqdm
+    jobs = [(s, g) for s in args.settings for g in args.gpus if s == "drift" or g in (args.gpus[0], args.gpus[-1])]
+    rows = []
+    for setting, gpus in tqdm(jobs, desc="split policies", disable=args.quiet):
+        w = workload.WorkloadConfig(steps=args.steps, groups=2 * gpus, **SETTINGS[setting])
+        res = {}
+        for label, pol, k in RUNS:
+            cfg = sim.SimConfig(gpus=gpus, steps=args.steps, staleness=k, sync_s=args.sync_s, switch_s=args.switch_s)
+            t0 = time.perf_counter()
+            out = sim.run_policy(pol, w, cfg, rc, tc)
+            res[label] = out
+            row = {"setting": setting, "policy": label, "gpus": gpus, "staleness": k,
+                   "throughput": round(out["throughput"], 1), "step_s": round(out["step_s"], 2),
+                   "simulated": True, "sim_wall_s": round(time.perf_counter() - t0, 2),
+                   "rollout_gpus": [r.get("rollout_gpus") for r in out["rows"]]}
+            rows.append(row)
+        base = res["static (sync)"]["throughput"]
+        for row in rows:
+            if row["setting"] == setting and row["gpus"] == gpus:
+                row["vs_static"] = round(row["throughput"] / base, 3)
+                same = res[f"static ({'sync' if row['staleness'] == 0 else 'async k=%d' % row['staleness']})"]
+                row["vs_static_same_staleness"] = round(row["throughput"] / same["throughput"], 3)
+    return rows
+
+
+def queue_rows(args, rc) -> list[dict]:
+    """C-MLFQ vs FCFS / SPF / PLAS on one saturated synchronous rollout (memory-tight engines)."""
+    rows = []
+    w = workload.WorkloadConfig(steps=args.steps, groups=args.queue_groups)
+    step = args.steps // 2                                      # mid-training lengths
+    progs = workload.step_batch(w, step)
+    tight = replace(rc, max_batch=args.queue_max_batch, kv_tokens=args.queue_kv_tokens)
+    variants = [("fcfs", "fcfs", {}, 0), ("spf (predictor sigma 0.5)", "spf", {"pred_sigma": 0.5}, 0),
+                ("spf (predictor sigma 1.0)", "spf", {"pred_sigma": 1.0}, 0), ("plas (Autellix)", "plas", {}, 0),
+                ("c-mlfq, one bucket", "cmlfq1", {}, 0), ("c-mlfq, short/long buckets", "cmlfq", {}, args.long_engines)]
+    for label, name, extra, nl in variants:
+        cfg = sim.SimConfig(gpus=args.queue_engines, long_bucket=nl, **extra)
+        # the long bucket: engines set up for long contexts (x4 KV pool, e.g. a higher
+        # --mem-fraction-static / TP 2 in SGLang; same per-iteration costs)
+        long = replace(tight, kv_tokens=4 * tight.kv_tokens)
+        engines = [(tight, 0)] * (args.queue_engines - nl) + [(long, 1)] * nl
+        from megatron_harts.rollout.libra import cmlfq
+        pol = cmlfq.CMLFQ(buckets=1) if name == "cmlfq1" else cmlfq.make_policy(name)
+        pool = sim.EnginePool(engines, pol, pred_sigma=cfg.pred_sigma, seed=0)
+        pool.add_programs(progs, 0.0)
+        pool.run()
+        done = np.array(pool.done_at)
+        groups = {}
+        for p, d in zip(progs, done):
+            groups[p.group] = max(groups.get(p.group, 0.0), d)
+        g = np.array(list(groups.values()))
+        rows.append({"setting": f"queue, step {step} of drift", "policy": label, "engines": args.queue_engines,
+                     "long_engines": nl, "programs": len(progs), "makespan_s": round(float(done.max()), 1),
+                     "mean_s": round(float(done.mean()), 1), "p50_s": round(float(np.median(done)), 1),
+                     "p99_s": round(float(np.quantile(done, 0.99)), 1),
+                     "group_mean_s": round(float(g.mean()), 1), "group_p50_s": round(float(np.median(g)), 1),
+                     "cache_misses": pool.cache_misses, "simulated": True})
+    return rows
+
+
+def planner_check(args, rc, tc) -> list[dict]:
+    """Predicted (planner) vs simulated synchronous rollout makespan."""
+    out = []
+    w = workload.WorkloadConfig(steps=args.steps, groups=32)
+    for step in (0, args.steps - 1):
+        progs = workload.step_batch(w, step)
+        est = planner.ProgramEstimator()
+        est.update(progs)
+        pl = planner.Planner(rc, tc, 16)
+        for r in (2, 8, 16):
+            pred = pl.rollout_s(est, len(progs), r)["sync"]
+            simd = sim.rollout_once(progs, rc, r, sim.SimConfig(gpus=16))["makespan"]
+            out.append({"step": step, "engines": r, "predicted_s": round(pred, 1), "simulated_s": round(simd, 1),
+                        "ratio": round(pred / simd, 3)})
+    return out
+
+
+def write_md(path: Path, meta: dict, rows: list[dict], qrows: list[dict], pcheck: list[dict]) -> None:
+    lines = ["# Libra: SIMULATED rollout/training GPU planning and request queues", "",
+             "**Every number on this page is a simulation** (`scripts/bench_libra.py`, the discrete-event "
+             "simulator `megatron_harts/rollout/libra/sim.py`), with cost models fitted on the H200 "
+             "measurements listed in [../libra.md](../libra.md#calibration). Nothing here ran on a GPU.", "",
+             f"Costs: rollout decode `a={meta['rollout']['a_s'] * 1e3:.3f} ms + b={meta['rollout']['b_s'] * 1e3:.4f} ms x batch "
+             f"+ c={meta['rollout']['c_s'] * 1e9:.2f} ns x context tokens` per iteration, prefill "
+             f"{meta['rollout']['prefill_tok_s'] / 1e3:.0f}K tok/s; training 1/({meta['train']['p_s'] * 1e6:.2f} us + "
+             f"{meta['train']['q_s'] * 1e12:.3f} ps x mean length) compact tok/s per GPU; weight sync {meta['sync_s']} s; "
+             f"role switch {meta['switch_s']} s (assumed). {meta['steps']} RL steps; batch = 2 x GPUs groups of 8 samples.", "",
+             "Throughput = trained trajectory tokens / simulated wall seconds. `vs_static` = against the "
+             "synchronous static split (the verl-style baseline) of the same setting and GPUs; `same k` = "
+             "against the static split at the same staleness.", "",
+             "| setting | GPUs | policy | throughput (tok/s) | step s | vs_static | same k |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("simulated") is False:
+            continue
+        lines.append(f"| {r['setting']} | {r['gpus']} | {r['policy']} | {r['throughput']:,.0f} | {r['step_s']:.1f} | "
+                     f"{r['vs_static']:.2f} | {r['vs_static_same_staleness']:.2f} |")
+    real = [r for r in rows if r.get("simulated") is False]
+    if real:
+        lines += ["", "Measured rows (`simulated: false`, CPU, from `scripts/libra_switch_cpu.py`; see ../libra.md):", "",
+                  "| setting | policy | to rollout s (median) | to training s (median) |", "|---|---|---:|---:|"]
+        lines += [f"| {r['setting']} | {r['policy']} | {r['to_rollout_s']:.3f} | {r['to_training_s']:.3f} |" for r in real]
+    lines += ["", "## Request queues (one synchronous rollout, saturated engines)", "",
+              f"{qrows[0]['programs']} programs (step {args_step(qrows)} of the drift setting) on "
+              f"{qrows[0]['engines']} engines with at most {meta['queue_max_batch']} running requests and "
+              f"{meta['queue_kv_tokens']:,} KV tokens each; completion times from release (s).", "",
+              "| policy | long engines | makespan | mean | p50 | p99 | group mean | cache misses |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in qrows:
+        lines.append(f"| {r['policy']} | {r['long_engines']} | {r['makespan_s']} | {r['mean_s']} | {r['p50_s']} | "
+                     f"{r['p99_s']} | {r['group_mean_s']} | {r['cache_misses']} |")
+    lines += ["", "## Planner: predicted vs simulated synchronous rollout makespan", "",
+              "| step | engines | predicted s | simulated s | ratio |", "|---:|---:|---:|---:|---:|"]
+    for r in pcheck:
+        lines.append(f"| {r['step']} | {r['engines']} | {r['predicted_s']} | {r['simulated_s']} | {r['ratio']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def args_step(qrows):
+    return qrows[0]["setting"].split()[2]
+
+
+def plot(path: Path, rows: list[dict], qrows: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    drift = [r for r in rows if r["setting"] == "drift"]
+    for label in dict.fromkeys(r["policy"] for r in drift):
+        pts = sorted((r["gpus"], r["throughput"]) for r in drift if r["policy"] == label)
+        ax[0].plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=label,
+                   linestyle="-" if "libra" in label else "--")
+    ax[0].set_xscale("log", base=2)
+    ax[0].set_xlabel("GPUs")
+    ax[0].set_ylabel("trained tokens/s (x1000)")
+    ax[0].set_title("SIMULATION: drifting agentic workload")
+    ax[0].legend(fontsize=7)
+    labels = [r["policy"] for r in qrows]
+    x = np.arange(len(labels))
+    ax[1].bar(x - 0.2, [r["p99_s"] for r in qrows], 0.4, label="p99 program")
+    ax[1].bar(x + 0.2, [r["makespan_s"] for r in qrows], 0.4, label="makespan")
+    ax[1].set_xticks(x, labels, rotation=30, ha="right", fontsize=7)
+    ax[1].set_ylabel("seconds")
+    ax[1].set_title("SIMULATION: queue policies, saturated rollout")
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--gpus", default="8,16,32,64")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--sync-s", type=float, default=None, help="weight sync s (default: rollout.json's median)")
+    ap.add_argument("--switch-s", type=float, default=10.0, help="one role switch, s (assumption)")
+    ap.add_argument("--calibration", default=None,
+                    help="libra_calibration.json of scripts/libra_calibrate_h200.py (decode vs batch x context)")
+    ap.add_argument("--queue-engines", type=int, default=16)
+    ap.add_argument("--long-engines", type=int, default=4)
+    ap.add_argument("--queue-groups", type=int, default=128)
+    ap.add_argument("--queue-max-batch", type=int, default=32)
+    ap.add_argument("--queue-kv-tokens", type=int, default=400_000)
+    ap.add_argument("--quick", action="store_true", help="3 steps, 8 and 16 GPUs, small queue run")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        args.gpus = [int(g) for g in args.gpus.split(",")]
+    except ValueError:
+        ap.error(f"--gpus: comma-separated integers, got {args.gpus!r}")
+    args.settings = args.settings.split(",")
+    bad = [s for s in args.settings if s not in SETTINGS]
+    if bad:
+        ap.error(f"--settings: unknown {bad}; choose from {list(SETTINGS)}")
+    if any(g < 2 for g in args.gpus):
+        ap.error("--gpus: every pool needs >= 2 GPUs")
+    if args.steps < 2:
+        ap.error("--steps must be >= 2")
+    if args.quick:
+        args.steps, args.gpus, args.queue_groups = 3, [8, 16], 48
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.calibration:
+        if not Path(args.calibration).is_file():
+            ap.error(f"--calibration: no such file {args.calibration}")
+        pts, pre = costs.load_rollout_points(args.calibration)
+        rc = costs.fit_rollout_cost(pts, fit_context=True, prefill_tok_s=pre, source=args.calibration)
+    else:
+        rc = costs.fit_rollout_cost()
+    tc = costs.fit_train_cost()
+    args.sync_s = costs.fit_sync_cost().seconds() if args.sync_s is None else args.sync_s
+    t0 = time.perf_counter()
+    rows = split_rows(args, rc, tc)
+    qrows = queue_rows(args, rc)
+    pcheck = planner_check(args, rc, tc)
+    meta = {"simulated": True, "rollout": asdict(rc), "train": asdict(tc), "sync_s": round(args.sync_s, 3),
+            "switch_s": args.switch_s, "steps": args.steps, "queue_max_batch": args.queue_max_batch,
+            "queue_kv_tokens": args.queue_kv_tokens, "workload_defaults": asdict(workload.WorkloadConfig()),
+            "settings": SETTINGS, "argv": sys.argv[1:] if argv is None else list(argv),
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    old = out / "libra.json"
+    if old.exists():                      # keep measured rows (scripts/libra_switch_cpu.py)
+        rows += [r for r in json.loads(old.read_text()).get("rows", []) if r.get("simulated") is False]
+    (out / "libra.json").write_text(json.dumps({"meta": meta, "rows": rows, "queues": qrows, "planner_check": pcheck},
+                                               indent=1, default=str))
+    write_md(out / "libra.md", meta, rows, qrows, pcheck)
+    plot(out / "libra.png", rows, qrows)
+    best = max((r for r in rows if r["setting"] == "drift" and r.get("simulated")), key=lambda r: r["vs_static"])
+    log.info("SIMULATION: best vs static under drift: %s at %d GPUs, %.2fx", best["policy"], best["gpus"], best["vs_static"])
+    for r in qrows:
+        log.info("%-28s makespan %7.1f  p99 %7.1f  mean %7.1f", r["policy"], r["makespan_s"], r["p99_s"], r["mean_s"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

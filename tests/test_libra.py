@@ -1,0 +1,357 @@
+"""Libra: cost-model fits, the length estimator, the planner, C-MLFQ's rules and the simulator on
+cases with closed-form answers."""
+import math
+
+import numpy as np
+import pytest
+
+from megatron_harts.rollout.libra import cmlfq, costs, planner, sim, workload
+from megatron_harts.rollout.libra.cmlfq import SIGNAL_ERROR, SIGNAL_NONE, SIGNAL_SUCCESS, Request
+from megatron_harts.rollout.libra.workload import Program
+
+# -- cost models ------------------------------------------------------------------------------
+
+
+def test_rollout_fit_passes_through_the_measured_points():
+    rc = costs.fit_rollout_cost(kv_bytes_per_token=0)          # c = 0: the fitted terms alone
+    for b, ctx, tps in costs.SGLANG_DECODE_POINTS:
+        assert rc.tokens_per_s(b, ctx) == pytest.approx(tps, rel=1e-9)
+    full = costs.fit_rollout_cost()
+    assert full.c_s == pytest.approx(costs.KV_BYTES_PER_TOKEN_1P5B / costs.HBM_BYTES_PER_S)
+    # context costs throughput: 32K contexts at batch 64 are slower than 2K ones
+    assert full.tokens_per_s(64, 32768) < full.tokens_per_s(64, 2128)
+    assert 100e3 < full.prefill_tok_s < 150e3                     # e2e_dense_sweep.json forward rates
+
+
+def test_train_fit_reproduces_the_e2e_rows():
+    tc = costs.fit_train_cost()
+    pts = costs.train_points()
+    assert len(pts) == 7
+    for mean_len, rate, _ in pts:
+        assert tc.rate(mean_len) == pytest.approx(rate, rel=0.07)
+    assert tc.rate(25000) < tc.rate(4000)                       # longer trajectories: slower per token
+    one = tc.step_s(1e6, 5000, 1)
+    eight = tc.step_s(1e6, 5000, 8)
+    assert one / eight == pytest.approx(8, rel=0.05)            # data parallel + all-reduce + optimizer
+    assert tc.step_s(1e6, 5000, 0) == math.inf
+
+
+def test_sync_and_start_costs_from_rollout_json():
+    sc = costs.fit_sync_cost()
+    assert sc.seconds() == pytest.approx(2.57, abs=0.05)        # median export 2.49 + push 0.08 (rollout.md)
+    assert costs.measured_engine_start_s() == pytest.approx(175.6, abs=0.1)
+
+
+@pytest.mark.parametrize("batch,ctx", [(1, 0.0), (7, 1e4), (256, 3e6)])
+def test_steps_within_inverts_steps_time(batch, ctx):
+    rc = costs.fit_rollout_cost()
+    for n in (0, 1, 2, 17, 1000):
+        t = float(rc.steps_time(n, batch, ctx))
+        assert rc.steps_within(t, batch, ctx) == n
+        if n:
+            assert rc.steps_within(t * (1 - 1e-6), batch, ctx) == n - 1
+    # exact sum of per-iteration times (contexts grow by `batch` every iteration)
+    n = 50
+    assert float(rc.steps_time(n, batch, ctx)) == pytest.approx(sum(rc.step_s(batch, ctx + batch * i) for i in range(n)))
+
+
+def test_length_estimator_weights_recent_steps_and_detects_drift():
+    est = costs.LengthEstimator(decay=0.5, window=4, drift_tol=0.2)
+    rng = np.random.default_rng(0)
+    x = rng.lognormal(5, 1, 501)
+    assert est.update(x) is False
+    # one step alone: the weighted quantile is the inverted-CDF quantile
+    for q in (0.1, 0.5, 0.9, 0.99):
+        assert est.quantile(q) == np.quantile(x, q, method="inverted_cdf")
+    assert est.update(x * 1.05) is False
+    assert est.update(x * 3) is True                              # the median tripled
+    # after the jump the estimate sits between old and new, nearer the new (weights 1/4, 1/2, 1 -> 4/7)
+    med = est.quantile(0.5)
+    assert np.median(x) * 1.05 < med <= np.median(x) * 3
+    for _ in range(4):
+        est.update(x * 3)
+    assert est.quantile(0.5) == pytest.approx(np.median(x * 3), rel=0.01)   # window dropped the old steps
+    with pytest.raises(ValueError, match="decay"):
+        costs.LengthEstimator(decay=0)
+    # exact weights: steps of constant 1, 2, 10 at decay 0.5 weigh 1/7, 2/7, 4/7
+    e = costs.LengthEstimator(decay=0.5, window=3)
+    for v in (1.0, 2.0, 10.0):
+        e.update(np.full(3 + int(v), v))
+    assert [e.quantile(q) for q in (0.1, 0.2, 0.42, 0.5)] == [1.0, 2.0, 2.0, 10.0]
+    assert e.mean() == pytest.approx(45 / 7)
+
+
+# -- queue policies ---------------------------------------------------------------------------
+
+def _req(program, turn=0, attained=0, signal=SIGNAL_NONE, obs=0, ctx=1000, arrival=0.0, pred=0.0):
+    return Request(program=program, turn=turn, ctx=ctx, attained=attained, signal=signal, obs_tokens=obs,
+                   arrival=arrival, predicted_remaining=pred)
+
+
+def _drain(policy, bucket=0, now=0.0):
+    out = []
+    while len(policy):
+        out.append(policy.pop(bucket, now).program)
+    return out
+
+
+def test_fcfs_and_spf_orders():
+    f = cmlfq.FCFS()
+    for i, t in enumerate([3.0, 1.0, 2.0]):
+        f.push(_req(i, arrival=t), t)
+    assert _drain(f) == [1, 2, 0]
+    s = cmlfq.SPF()
+    for i, p in enumerate([500, 10, 90]):
+        s.push(_req(i, pred=p), 0.0)
+    assert _drain(s) == [1, 2, 0]
+
+
+def test_plas_levels_by_attained_service():
+    p = cmlfq.PLAS(base=100, ratio=2, levels=4)
+    assert [p.level(_req(0, attained=a)) for a in (0, 99, 100, 199, 200, 399, 400, 10 ** 6)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    for i, a in enumerate([1000, 10, 150, 10]):
+        p.push(_req(i, attained=a, arrival=float(i)), float(i))
+    assert _drain(p) == [1, 3, 2, 0]                 # level, then FCFS within the level
+
+
+def test_cmlfq_promotion_demotion_routing_and_aging():
+    c = cmlfq.CMLFQ(base=100, ratio=2, levels=6, success_boost=2, error_penalty=1, turn_demote=5, age_s=10.0,
+                    long_ctx=8000, long_obs=1000)
+    plain = c.level(_req(0, attained=450))                     # PLAS level 3
+    assert plain == 3
+    assert c.level(_req(0, attained=450, signal=SIGNAL_SUCCESS)) == 1
+    assert c.level(_req(0, attained=450, signal=SIGNAL_ERROR)) == 4
+    assert c.level(_req(0, attained=450, turn=5)) == 4
+    assert c.level(_req(0, attained=0, signal=SIGNAL_SUCCESS)) == 0            # clamped
+    assert c.level(_req(0, attained=10 ** 9, signal=SIGNAL_ERROR, turn=9)) == 5
+    assert c.route(_req(0, ctx=100)) == 0
+    assert c.route(_req(0, ctx=8000)) == 1
+    assert c.route(_req(0, ctx=100, obs=1000)) == 1
+    # a success jumps the queue ahead of an older request of the same attained service
+    c.push(_req(1, attained=450, arrival=0.0), 0.0)
+    c.push(_req(2, attained=450, signal=SIGNAL_SUCCESS, arrival=1.0), 1.0)
+    assert c.pop(0, 2.0).program == 2
+    # aging: a demoted request that waited age_s goes first
+    c.push(_req(3, attained=0, arrival=5.0), 5.0)
+    assert c.pop(0, 10.5).program == 1                          # waited 10.5 s >= 10
+    assert c.pop(0, 10.5).program == 3
+    assert len(c) == 0 and c.pop(0, 11.0) is None
+    # buckets: a long-context engine serves its own bucket first and steals when it is empty
+    c.push(_req(4, ctx=100), 0.0)
+    c.push(_req(5, ctx=9000), 0.0)
+    assert c.pop(1, 0.0).program == 5
+    assert c.pop(1, 0.0).program == 4
+    assert c.pop(1, 0.0) is None
+
+
+def test_make_policy_rejects_unknown_names():
+    with pytest.raises(ValueError, match="queue policy"):
+        cmlfq.make_policy("lifo")
+
+
+# -- simulator on closed-form cases ------------------------------------------------------------
+
+def _rc(**kw):
+    base = dict(a_s=0.003, b_s=0.0001, c_s=1e-8, prefill_tok_s=1e5, max_batch=64, kv_tokens=10 ** 9)
+    base.update(kw)
+    return costs.RolloutCost(**base)
+
+
+def _prog(gen, prompt=100, obs=(), tool=(), signal=(), group=0):
+    gen = np.array(gen, np.int64)
+    pad = len(gen) - len(obs)
+    return Program(group, prompt, gen, np.array(list(obs) + [0] * pad, np.int64),
+                   np.array(list(tool) + [0.0] * pad), np.array(list(signal) + [0] * pad, np.int8))
+
+
+def _decode(rc, n, batch, ctx):
+    return sum(rc.step_s(batch, ctx + batch * i) for i in range(n))
+
+
+def test_one_engine_one_program():
+    rc = _rc()
+    pool = sim.EnginePool([(rc, 0)], cmlfq.FCFS())
+    pool.add_programs([_prog([40], prompt=300)], 0.0)
+    pool.run()
+    assert pool.done_at[0] == pytest.approx(300 / rc.prefill_tok_s + _decode(rc, 40, 1, 300), rel=1e-12)
+
+
+def test_fcfs_batch_of_one_runs_in_arrival_order():
+    rc = _rc(max_batch=1)
+    gens, prompt = [30, 5, 80, 12], 50
+    pool = sim.EnginePool([(rc, 0)], cmlfq.FCFS())
+    pool.add_programs([_prog([g], prompt=prompt) for g in gens], 0.0)
+    pool.run()
+    each = [prompt / rc.prefill_tok_s + _decode(rc, g, 1, prompt) for g in gens]
+    np.testing.assert_allclose(pool.done_at, np.cumsum(each), rtol=1e-12)
+    # SPF with an exact predictor (pred_sigma 0): program 0 reaches the idle engine first and keeps
+    # it (non-preemptive); the others then run shortest first
+    pool = sim.EnginePool([(rc, 0)], cmlfq.SPF(), pred_sigma=0.0)
+    pool.add_programs([_prog([g], prompt=prompt) for g in gens], 0.0)
+    pool.run()
+    order = [0, 1, 3, 2]
+    np.testing.assert_allclose(np.array(pool.done_at)[order], np.cumsum(np.array(each)[order]), rtol=1e-12)
+
+
+def test_concurrent_requests_share_decode_iterations():
+    rc = _rc()
+    pool = sim.EnginePool([(rc, 0)], cmlfq.FCFS())
+    pool.add_programs([_prog([20], prompt=100), _prog([50], prompt=100)], 0.0)
+    pool.run()
+    pre = 200 / rc.prefill_tok_s
+    t1 = pre + _decode(rc, 20, 2, 200)
+    t2 = t1 + _decode(rc, 30, 1, 120)
+    assert pool.done_at == pytest.approx([t1, t2], rel=1e-12)
+
+
+def test_multi_turn_program_with_tool_and_prefix_cache():
+    rc = _rc()
+    p = _prog([10, 7], prompt=100, obs=[25], tool=[1.5], signal=[SIGNAL_SUCCESS])
+    pool = sim.EnginePool([(rc, 0)], cmlfq.FCFS())
+    pool.add_programs([p], 0.0)
+    pool.run()
+    t = 100 / rc.prefill_tok_s + _decode(rc, 10, 1, 100)     # turn 0
+    t += 1.5 + 25 / rc.prefill_tok_s                         # tool, then only the observation is prefilled
+    t += _decode(rc, 7, 1, 135)
+    assert pool.done_at[0] == pytest.approx(t, rel=1e-12)
+    assert pool.prefill_tokens == 125 and pool.cache_misses == 0
+
+
+def test_two_engines_split_programs_and_drain():
+    rc = _rc()
+    pool = sim.EnginePool([(rc, 0), (rc, 0)], cmlfq.FCFS())
+    pool.add_programs([_prog([30]), _prog([30])], 0.0)
+    left = []
+    pool.on_engine_left = lambda eid, t: left.append((eid, t))
+    pool.run()
+    one = 100 / rc.prefill_tok_s + _decode(rc, 30, 1, 100)
+    assert pool.done_at == pytest.approx([one, one], rel=1e-12)     # least-loaded routing: one each
+    pool.drain(1, pool.now)
+    assert left == [(1, pool.now)] and len(pool.active_engines) == 1
+
+
+def test_fluid_finish_closed_forms():
+    # 10 GPU-s released at 0 on 2 GPUs from 0: 5 s
+    assert sim.fluid_finish([(0.0, 10.0)], [(0.0, 2)]) == pytest.approx(5.0)
+    # GPUs arrive later: 1 GPU from t=1, 3 GPUs from t=2: 1 s of work done by t=2, 9 left / 3
+    assert sim.fluid_finish([(0.0, 10.0)], [(1.0, 1), (2.0, 3)]) == pytest.approx(5.0)
+    # 2 GPUs for 1 s, then 4: 8 left at t=1, done at 3
+    assert sim.fluid_finish([(0.0, 10.0)], [(0.0, 2), (1.0, 4)]) == pytest.approx(3.0)
+    # work released later than the GPUs: idle until then
+    assert sim.fluid_finish([(0.0, 2.0), (10.0, 4.0)], [(0.0, 2)]) == pytest.approx(12.0)
+    with pytest.raises(ValueError, match="no GPU"):
+        sim.fluid_finish([(0.0, 1.0)], [(0.0, 0)])
+
+
+# -- planner and the step drivers --------------------------------------------------------------
+
+def _small():
+    w = workload.WorkloadConfig(groups=6, group_size=4, steps=3, max_turns=8, gen_median=200)
+    cfg = sim.SimConfig(gpus=4, steps=3, sync_s=1.0, switch_s=2.0)
+    return w, cfg, costs.fit_rollout_cost(), costs.fit_train_cost()
+
+
+def test_planner_prefers_balanced_async_split_and_respects_switch_cost():
+    w, cfg, rc, tc = _small()
+    progs = workload.step_batch(w, 0)
+    est = planner.ProgramEstimator()
+    est.update(progs)
+    pl = planner.Planner(rc, tc, 8, sync_s=1.0, switch_s=2.0)
+    plan = pl.plan_async(est, len(progs), 1)
+    costs_ = plan.detail["costs"]
+    assert plan.predicted_step_s == min(costs_.values())
+    # rollout per batch falls with engines, training rises: the choice is where they cross
+    assert pl.async_step_s(est, len(progs), 1, 1) >= plan.predicted_step_s
+    # a huge switch cost keeps the current split
+    sticky = planner.Planner(rc, tc, 8, sync_s=1.0, switch_s=1e9)
+    other = 1 if plan.rollout_gpus != 1 else 2
+    assert sticky.plan_async(est, len(progs), 1, current=other).rollout_gpus == other
+    # synchronous: an elastic step pays two switches, so a huge switch cost means a split; with free
+    # switches and a tail much longer than the bulk, the elastic pool
+    assert planner.Planner(rc, tc, 8, sync_s=1.0, switch_s=1e6).plan_sync(est, len(progs)).mode == "split"
+    free = planner.Planner(rc, tc, 8, sync_s=1.0, switch_s=0.0).plan_sync(est, len(progs))
+    ro = free.detail
+    assert ro["rollout_critical"] > 2 * ro["rollout_bulk"] and free.mode == "elastic"
+    assert free.predicted_step_s == min(ro["split_s"], ro["elastic_s"])
+
+
+@pytest.mark.parametrize("policy", ["static", "colocated", "tail", "elastic", "libra"])
+def test_sync_drivers_account_every_step(policy):
+    w, cfg, rc, tc = _small()
+    out = sim.run_policy(policy, w, cfg, rc, tc)
+    assert out["simulated"] is True and len(out["rows"]) == 3
+    assert out["throughput"] == pytest.approx(out["tokens"] / out["total_s"])
+    for r in out["rows"]:
+        assert r["step_s"] >= r["rollout_s"] > 0
+    if policy != "tail":
+        assert out["tokens"] == sum(sum(p.tokens for p in workload.step_batch(w, s)) for s in range(3))
+
+
+def test_colocated_step_is_rollout_plus_switches_plus_train_plus_sync():
+    w, cfg, rc, tc = _small()
+    progs = workload.step_batch(w, 1)
+    ro = sim.rollout_once(progs, rc, cfg.gpus, cfg)["makespan"]
+    out = sim.run_policy("colocated", w, cfg, rc, tc)["rows"][1]
+    comp = workload.compact_tokens(progs)
+    tr = tc.step_s(comp, np.mean([p.tokens for p in progs]), cfg.gpus)
+    assert out["step_s"] == pytest.approx(ro + 2 * cfg.switch_s + tr + cfg.sync_s)
+
+
+@pytest.mark.parametrize("policy", ["static", "libra"])
+def test_async_respects_staleness(policy):
+    w, cfg, rc, tc = _small()
+    cfg = sim.SimConfig(gpus=4, steps=3, sync_s=1.0, switch_s=2.0, staleness=1)
+    out = sim.run_policy(policy, w, cfg, rc, tc)
+    rows = out["rows"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    ends = [r["train_end"] for r in rows]
+    assert ends == sorted(ends) and out["total_s"] == ends[-1]
+    for r in rows:
+        assert r["train_end"] >= r["batch_done"] + r["train_s"] + cfg.sync_s - 1e-9
+    # batch b is released when training step b - 2 (staleness 1) and its sync end; 0 and 1 at once
+    assert out["release"] == {0: 0.0, 1: 0.0, 2: rows[0]["train_end"]}
+    assert rows[2]["batch_done"] > rows[0]["train_end"]
+    with pytest.raises(ValueError, match="asynchronous"):
+        sim.run_policy("tail", w, cfg, rc, tc)
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_libra.py"
+    spec = importlib.util.spec_from_file_location("bench_libra", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_script_small_run_and_bad_input(tmp_path, capsys):
+    import json
+    bench = _bench()
+    assert bench.main(["--out", str(tmp_path), "--steps", "2", "--gpus", "4", "--settings", "drift", "--queue-groups", "6",
+                       "--queue-engines", "4", "--long-engines", "1", "--quiet"]) == 0
+    data = json.loads((tmp_path / "libra.json").read_text())
+    rows = data["rows"]
+    assert {r["policy"] for r in rows} == {label for label, _, _ in bench.RUNS}
+    for r in rows:
+        assert r["simulated"] is True and r["gpus"] == 4 and r["throughput"] > 0
+        assert set(r) >= {"setting", "policy", "gpus", "throughput", "step_s", "vs_static", "simulated"}
+    assert [r["vs_static"] for r in rows if r["policy"] == "static (sync)"] == [1.0]
+    assert len(data["queues"]) == 6 and "SIMULATED" in (tmp_path / "libra.md").read_text()
+    assert (tmp_path / "libra.png").stat().st_size > 0
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--gpus", "x"])
+    assert e.value.code == 2 and "--gpus" in capsys.readouterr().err
+
+
+def test_rollout_fit_with_context_recovers_the_terms(tmp_path):
+    import json
+    a, b, c = 0.004, 0.00007, 3e-9
+    pts = [(B, ctx, B / (a + b * B + c * B * ctx)) for B in (1, 16, 128) for ctx in (2000, 16000, 64000)]
+    rc = costs.fit_rollout_cost(pts, fit_context=True, prefill_tok_s=5e4)
+    assert (rc.a_s, rc.b_s, rc.c_s) == pytest.approx((a, b, c), rel=1e-6)
+    (tmp_path / "cal.json").write_text(json.dumps({"points": pts, "prefill_tok_s": 5e4}))
+    loaded, pre = costs.load_rollout_points(tmp_path / "cal.json")
+    assert pre == 5e4 and len(loaded) == 9
+    with pytest.raises(ValueError, match="at least 3"):
+        costs.fit_rollout_cost(pts[:2], fit_context=True)
