@@ -107,12 +107,16 @@ def log(msg: str) -> None:
 def parse_configs(args, world: int) -> list[dict]:
     """``--configs TxPxE,...`` (or --tp/--pp/--ep) -> [{tp, pp, ep, dp}], validated against world."""
     specs = args.configs.split(",") if args.configs else [f"{args.tp}x{args.pp}x{args.ep}"]
-    out = []
+    out, models = [], args.models.split(",")
     for s in specs:
+        s, _, only = s.strip().partition(":")
         try:
-            tp, pp, ep = (int(x) for x in s.strip().split("x"))
+            tp, pp, ep = (int(x) for x in s.split("x"))
         except ValueError:
-            raise ConfigError(f"--configs: {s!r} is not TPxPPxEP (e.g. 2x1x1)") from None
+            raise ConfigError(f"--configs: {s!r} is not TPxPPxEP[:model+model] (e.g. 2x1x1 or 1x1x2:moe)") from None
+        only = only.split("+") if only else None
+        if only and not set(only) <= set(models):
+            raise ConfigError(f"--configs {s}:{'+'.join(only)}: models must be among --models {args.models}")
         if min(tp, pp, ep) < 1:
             raise ConfigError(f"--configs {s}: TP, PP and EP must be >= 1")
         if world % (tp * pp):
@@ -120,14 +124,22 @@ def parse_configs(args, world: int) -> list[dict]:
         dp = world // (tp * pp)
         if dp % ep:
             raise ConfigError(f"--ep {ep}: expert parallelism must divide DP = {dp} (world {world} / TP {tp} / PP {pp})")
-        if ep > 1 and "dense" in args.models.split(","):
-            raise ConfigError(f"--ep {ep}: the dense model has no experts; use --models moe")
-        if tp > 1 and "moe" in args.models.split(","):
-            raise ConfigError(f"--tp {tp} with --models moe: Megatron's MoE layer refuses tensor parallelism without "
-                              "sequence parallelism, which this driver does not run (packs are not padded to a "
-                              "multiple of TP); use TP=1 with EP for moe")
-        out.append(dict(tp=tp, pp=pp, ep=ep, dp=dp))
+        out.append(dict(tp=tp, pp=pp, ep=ep, dp=dp, models=only or models))
+    runs = [(c, m, incompatible(m, c)) for c in out for m in c["models"]]
+    if all(why for _, _, why in runs):
+        raise ConfigError(runs[0][2])
     return out
+
+
+def incompatible(model: str, cfg: dict) -> str | None:
+    """Why ``model`` cannot run at ``cfg`` (None: it can)."""
+    if cfg["ep"] > 1 and model == "dense":
+        return f"--ep {cfg['ep']}: the dense model has no experts; use --models moe"
+    if cfg["tp"] > 1 and model == "moe":
+        return (f"--tp {cfg['tp']} with --models moe: Megatron's MoE layer refuses tensor parallelism without "
+                "sequence parallelism, which this driver does not run (packs are not padded to a multiple of TP); "
+                "use TP=1 with EP for moe")
+    return None
 
 
 def stage_pattern(pattern: str, pp: int) -> str:
@@ -530,7 +542,8 @@ def bench_row(runner: Runner, model_name: str, recompute: bool, wl: str, batches
     trajs0 = batches[timed[0]]
     num = numerics(runner, trajs0, timed[0], args.rerun)
     tok = sum(x["traj_tokens"] for x in steps["baseline"])
-    row = dict(model=model_name, workload=wl, recompute=recompute, **cfg, world=len(rank_dp),
+    row = dict(model=model_name, workload=wl, recompute=recompute, **{k: cfg[k] for k in ("tp", "pp", "ep", "dp")},
+               world=len(rank_dp), rank_dp=list(rank_dp),
                config=cfg_name(cfg), fresh_batches=True, steps=len(timed), warmup_batches=len(warm),
                trajectories=len(trajs0), trajectory_tokens=tok // len(timed), grad_allreduce=GRAD_ALLREDUCE,
                cost_model=dict(vars(runner.cm)), cost_units=runner.cost_units, numerics=num)
@@ -614,7 +627,7 @@ def rank_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def render(rows: list[dict], metas: list[dict], out_dir: str, name: str) -> None:
+def render(rows: list[dict], metas: list[dict], out_dir: str, name: str, skipped: list[dict] = ()) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -629,6 +642,7 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, name: str) -> None
              "rerun with another composition vs the baseline.", ""]
     lines += [f"- `{' '.join(['scripts/bench_e2e_dist.py'] + x.get('argv', []))}`" for x in metas]
     lines += ["", "## Per configuration", ""] + table(rows) + ["", "## Per rank", ""] + rank_table(rows)
+    lines += [""] * bool(skipped) + [f"Not run: {x['model']} at {x['config']}: {x['reason']}" for x in skipped]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.2))
     for key in sorted({(r["config"], r["model"], r["recompute"]) for r in rows}):
         pts = sorted((r["compression"], r["speedup"]) for r in rows if (r["config"], r["model"], r["recompute"]) == key)
@@ -668,8 +682,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     ap.add_argument("--pp", type=int, default=1, help="pipeline parallel size (1F1B)")
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size (moe only; divides DP)")
-    ap.add_argument("--configs", help="several configurations in one launch: TPxPPxEP[,TPxPPxEP...] (overrides "
-                    "--tp/--pp/--ep)")
+    ap.add_argument("--configs", help="several configurations in one launch: TPxPPxEP[:model+model][,...] "
+                    "(overrides --tp/--pp/--ep; ':moe' runs only that model there)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 models and workloads (CPU correctness runs)")
     ap.add_argument("--tiny-groups", type=int, default=2, help="rollout groups of a --tiny swe/tau batch")
@@ -721,14 +735,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.watchdog:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
     if args.plot:
-        rows, metas = [], []
+        rows, metas, skipped = [], [], []
         for path in args.plot:
             with open(path) as f:
                 d = json.load(f)
             rows += d["rows"]
+            skipped += d.get("skipped", [])
             metas.append(d["meta"])
+        if not rows:
+            print("bench_e2e_dist.py: error: --plot: no rows in " + " ".join(args.plot), file=sys.stderr)
+            return 2
         os.makedirs(args.out, exist_ok=True)
-        render(rows, metas, args.out, os.path.splitext(args.name)[0])
+        render(rows, metas, args.out, os.path.splitext(args.name)[0], skipped)
         print("\n".join(table(rows)))
         return 0
     rank, world, local = rank_env()
@@ -784,14 +802,19 @@ def run(args, cfgs: list[dict], argv) -> int:
                 argv=sys.argv[1:] if argv is None else list(argv), grad_allreduce=GRAD_ALLREDUCE,
                 configs=[cfg_name(c) for c in cfgs], simulated=False, tiny=args.tiny,
                 correctness_only=device.type == "cpu")
-    rows, path = [], os.path.join(args.out, args.name)
+    rows, skipped, path = [], [], os.path.join(args.out, args.name)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
     with ctx:
         for cfg in cfgs:
             init_parallel(cfg, args)
             rank_dp = gather(ps.get_data_parallel_rank())
-            for m in args.models.split(","):
+            for m in cfg["models"]:
+                why = incompatible(m, cfg)
+                if why:                                   # recorded in the JSON, not run
+                    log(f"{cfg_name(cfg)} {m}: not run: {why}")
+                    skipped.append(dict(model=m, config=cfg_name(cfg), reason=why))
+                    continue
                 for rc in recs:
                     cap = args.capacity or (256 if args.tiny else 65536 if rc else 32768)
                     a = argparse.Namespace(**{**vars(args), "capacity": cap})
@@ -816,13 +839,15 @@ def run(args, cfgs: list[dict], argv) -> int:
                         rows.append(row)
                         if rank == 0:
                             with open(path, "w") as f:
-                                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                                json.dump({"meta": meta, "rows": rows, "skipped": skipped}, f, indent=1)
                         log(f"{cfg_name(cfg)} {m} {wl} rc={rc}: compression {row['compression']:.2f}, speedup "
                             f"{row['speedup']:.2f}, imbalance harts pred {row['harts']['predicted_imbalance']:.3f} "
                             f"meas {row['harts']['measured_imbalance']:.3f} ({row['wall_s']:.0f} s)")
                     del runner, model
                     E.reset_peak(device)
     if rank == 0:
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "skipped": skipped}, f, indent=1)
         print("\n".join(table(rows)))
     dist.barrier()
     ps.destroy_model_parallel()
