@@ -229,3 +229,33 @@ def test_launch_slurm_runs_the_benchmark_launcher(tmp_path):
                           capture_output=True, text=True, check=True).stdout
     argv = shlex.split(line)
     assert argv[argv.index("--tree-trajectories") + 1] == "r.jsonl"
+
+
+# ------------------------------------------------------------------------------------------------
+# Found in the Megatron path while building the driver
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_tree_gdn_input_split_matches_megatron_under_context_parallelism(cp):
+    """``TreeGatedDeltaNet._prepare_input_for_gated_delta_rule`` serves the stock (non-tree) path
+    too; under CP Megatron's all-to-all leaves each rank 1/cp of the heads, so the q|k / v split is
+    ``// cp_size`` as in Megatron's own method (it used the TP-local sizes and failed at CP=2)."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron_harts.megatron.layers import TreeGatedDeltaNet
+
+    H, HV, D = 4, 8, 16                                  # key heads, value heads, head dim (TP-local)
+    me = SimpleNamespace(qk_dim_local_tp=H * D, v_dim_local_tp=HV * D, cp_size=cp, key_head_dim=D,
+                         value_head_dim=D, num_key_heads=H, num_value_heads=HV, use_qk_l2norm=False)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(1, 5, (2 * H * D + HV * D) // cp, generator=g)
+    gate, beta = torch.randn(1, 5, HV // cp, D, generator=g), torch.randn(1, 5, HV // cp, generator=g)
+    ours = TreeGatedDeltaNet._prepare_input_for_gated_delta_rule(me, qkv, gate, 1, 5, beta)
+    ref = GatedDeltaNet._prepare_input_for_gated_delta_rule.__wrapped__(me, qkv, gate, 1, 5, beta) \
+        if hasattr(GatedDeltaNet._prepare_input_for_gated_delta_rule, "__wrapped__") else \
+        GatedDeltaNet._prepare_input_for_gated_delta_rule(me, qkv, gate, 1, 5, beta)
+    assert len(ours) == len(ref) == 5
+    for a, b in zip(ours, ref):
+        assert a.shape == b.shape and torch.equal(a, b)
