@@ -80,7 +80,7 @@ from megatron_harts.packing import pack  # noqa: E402
 from megatron_harts.planner import plan  # noqa: E402
 from megatron_harts.planner.cost import CostModel  # noqa: E402
 from megatron_harts.planner.plan import assign  # noqa: E402
-from megatron_harts.tree import RolloutTree, trees_from_trajectories  # noqa: E402
+from megatron_harts.tree import RolloutTree, make_trajectory, trees_from_trajectories  # noqa: E402
 
 LOSS = dict(loss_type="grpo", loss_agg_mode="token-mean")
 SIDES = ("baseline", "harts")
@@ -303,22 +303,30 @@ def baseline_microbatches(trajs: list, args, cm: CostModel, dp: int, dp_rank: in
     return out, dict(rank_cost=rank_cost.tolist(), M=M, filled=filled)
 
 
+PAD_ID = "__pad__"
+
+
+def pad_microbatch() -> list:
+    """A microbatch that trains nothing: one 8-token chain, loss mask off, advantage 0."""
+    t = make_trajectory(0, np.arange(1, 9), traj_id=PAD_ID, loss_mask=np.zeros(8, bool), advantage=0.0)
+    return [RolloutTree([t], merge_prefixes=False)]
+
+
 def device_microbatches(mb_trees: list, trajs: list, args, dp: int, device, ep: int, what: str, times: dict,
                         pred: dict) -> list:
-    """``TreeMicrobatch`` es on ``device`` (empty slots dropped; with EP every rank must run the
-    same count: an empty slot is an error there). ``times`` gets host ms of pack / copy. The
-    checks use every rank's slot counts (``pred["filled"]``), so all ranks raise together."""
+    """``TreeMicrobatch`` es on ``device``: empty slots dropped; under EP (MoE all-to-all in every
+    microbatch: all ranks must run the same number) ranks with fewer non-empty slots than the
+    fullest rank (``pred["filled"]``, every rank's count) run :func:`pad_microbatch` es instead.
+    ``times`` gets host ms of pack / copy. Checks use every rank's counts: all ranks raise together."""
     from megatron_harts.megatron.batch import GlobalNormalisers, TreeMicrobatch
     from megatron_harts.rl import RLBatch
 
-    if min(pred["filled"]) < max(pred["filled"]) and ep > 1:
-        raise ConfigError(f"{what}: DP ranks got {pred['filled']} non-empty microbatches; under EP every rank must "
-                          "run the same number (MoE all-to-all per microbatch): use more groups (--swe-groups / "
-                          "--tiny-groups) or --num-microbatches")
-    if min(pred["filled"]) == 0:
+    if min(pred["filled"]) == 0 and ep == 1:
         raise ConfigError(f"{what}: a DP rank got no trajectories ({len(trajs)} trajectories for DP={dp}); "
                           "use more groups (--swe-groups / --tau-groups / --tiny-groups)")
     mb_trees = [t for t in mb_trees if t]
+    if ep > 1:
+        mb_trees += [pad_microbatch() for _ in range(max(pred["filled"]) - len(mb_trees))]
     norms = GlobalNormalisers.of(trajs)
     out, copy_s, t0 = [], 0.0, time.perf_counter()
     for trees in mb_trees:
@@ -368,7 +376,8 @@ class Runner:
         def loss_func(x):
             if store is not None:          # numerics runs (untimed): per-trajectory log-probs
                 lps = tree_token_logprobs(x.detach()[0], mb.pack, tp_group=self.tp_group)
-                store["lps"].update({t.traj_id: lp.float().cpu() for t, lp in zip(mb.pack.trajectories, lps)})
+                store["lps"].update({t.traj_id: lp.float().cpu() for t, lp in zip(mb.pack.trajectories, lps)
+                                     if t.traj_id != PAD_ID})
             loss, n, rep = rl_loss(x, mb, tp_group=self.tp_group, **LOSS)
             if store is not None:
                 store["loss"] += float(rep["rl loss"][0]) / (mb.num_microbatches * mb.dp_size)
@@ -404,11 +413,13 @@ class Runner:
         self.clock.sync()
         t2 = time.perf_counter()
         t_fin = self.t_fin if self.t_fin is not None else t2
+        real = [m for m in mbs if m.pack.trajectories[0].traj_id != PAD_ID]
         return dict(wall_ms=1e3 * (t2 - t0), grad_ms=1e3 * (t_fin - t1), compute_ms=1e3 * (t_fin - t0),
                     sync_ms=1e3 * (t2 - t_fin), host_ms=1e3 * (t1 - t0), plan_ms=1e3 * (t_plan - t0),
                     pack_ms=times["pack"], copy_ms=times["copy"], microbatches=len(mbs),
-                    compact_tokens=sum(m.pack.num_tokens for m in mbs),
-                    traj_tokens=sum(m.pack.num_trajectory_tokens for m in mbs), peak_gib=peak_gib(self.device),
+                    pad_microbatches=sum(m.pack.trajectories[0].traj_id == PAD_ID for m in mbs),
+                    compact_tokens=sum(m.pack.num_tokens for m in real),        # pad microbatches not counted
+                    traj_tokens=sum(m.pack.num_trajectory_tokens for m in real), peak_gib=peak_gib(self.device),
                     pred=pred)
 
     # --------------------------------------------------------------------------- numerics
@@ -532,6 +543,7 @@ def bench_row(runner: Runner, model_name: str, recompute: bool, wl: str, batches
                 plan_ms=max(r["plan_ms"] for r in allr), pack_ms=max(r["pack_ms"] for r in allr),
                 copy_ms=max(r["copy_ms"] for r in allr), replica_grad_ms=rep_grad, replica_compute_ms=rep_comp,
                 microbatches=[by_dp[j]["microbatches"] for j in range(dp)], planned_microbatches=allr[0]["pred"]["M"],
+                pad_microbatches=[by_dp[j]["pad_microbatches"] for j in range(dp)],
                 compact_tokens=sum(by_dp[j]["compact_tokens"] for j in range(dp)),
                 traj_tokens=sum(by_dp[j]["traj_tokens"] for j in range(dp)),
                 replica_traj_tokens=[by_dp[j]["traj_tokens"] for j in range(dp)],
@@ -627,6 +639,19 @@ def rank_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def command_line(argv: list[str]) -> str:
+    """The driver's arguments without those naming machine paths or limits (--out, --watchdog)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--out", "--watchdog"):
+            skip = True
+        elif a.split("=", 1)[0] not in ("--out", "--watchdog"):
+            out.append(a)
+    return " ".join(["scripts/bench_e2e_dist.py"] + out)
+
+
 def render(rows: list[dict], metas: list[dict], out_dir: str, name: str, skipped: list[dict] = ()) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -640,7 +665,7 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, name: str, skipped
              "DDP gradient all-reduce). Imbalance = max / mean - 1 over DP replicas of the fwd+bwd time "
              "(pred: the planner's cost model). Numerics on the first timed batch: tree vs baseline and a baseline "
              "rerun with another composition vs the baseline.", ""]
-    lines += [f"- `{' '.join(['scripts/bench_e2e_dist.py'] + x.get('argv', []))}`" for x in metas]
+    lines += [f"- `{command_line(x.get('argv', []))}`" for x in metas]
     lines += ["", "## Per configuration", ""] + table(rows) + ["", "## Per rank", ""] + rank_table(rows)
     lines += [""] * bool(skipped) + [f"Not run: {x['model']} at {x['config']}: {x['reason']}" for x in skipped]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.2))

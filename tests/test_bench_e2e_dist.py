@@ -2,7 +2,9 @@
 parallel state, 2 processes under ``torch.distributed.run`` with gloo, tiny fp32 models.
 
 One launch runs four configurations (``--configs``): dense at DP=2, TP=2 and PP=2 (1F1B), moe at
-EP=2 (DP=2, the all-to-all dispatcher), two timed fresh batches each; the tests read its JSON:
+EP=2 (DP=2, the all-to-all dispatcher; on batch seed 4 the plan gives the two ranks 4 and 3
+microbatches, so one rank runs a pad microbatch: all-to-all needs equal counts), two timed fresh
+batches each (seeds 4, 5; numerics on 4); the tests read its JSON:
 structure, fresh batches (a new seed per step, the same trajectories on both sides), numerics
 (tree vs baseline within fp32 rounding, next to the baseline rerun), and the imbalance fields
 against the per-rank times they summarise. Refused combinations (moe at TP>1, dense at EP>1,
@@ -52,7 +54,7 @@ def run(tmp_path_factory):
     cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, "--device", "cpu", "--tiny",
            "--tiny-groups", "4", "--models", "dense,moe",
-           "--configs", "1x1x1:dense,2x1x1:dense,1x2x1:dense,1x1x2:moe", "--max-steps", "2",
+           "--configs", "1x1x1:dense,2x1x1:dense,1x2x1:dense,1x1x2:moe", "--max-steps", "2", "--seed", "4",
            "--warmup-batches", "1", "--watchdog", "300", "--out", str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=330)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -80,6 +82,12 @@ def test_every_configuration_row_and_its_fields(run):
             for st in x["steps"]:
                 assert st["wall_ms"] >= st["grad_ms"] > 0 and st["host_ms"] > 0
                 assert min(st["microbatches"]) >= 1 and st["planned_microbatches"] >= r["pp"]
+                if r["ep"] > 1:      # every rank runs the same number (pads included)
+                    assert len(set(st["microbatches"])) == 1
+                else:
+                    assert st["pad_microbatches"] == [0] * r["dp"]
+        if r["ep"] > 1:              # the pad path ran (seed 4: 4 and 3 non-empty microbatches)
+            assert r["harts"]["steps"][0]["pad_microbatches"] in ([0, 1], [1, 0]), r["harts"]["steps"][0]
         # compression and speedup from the recorded numbers
         h, b = r["harts"]["steps"], r["baseline"]["steps"]
         assert abs(r["compression"] - sum(x["traj_tokens"] for x in b) / sum(x["compact_tokens"] for x in h)) < 1e-9
@@ -92,7 +100,7 @@ def test_every_configuration_row_and_its_fields(run):
 def test_every_timed_step_is_a_new_batch_shared_by_both_sides(run):
     for r in run[0]["rows"]:
         b, h = r["baseline"]["steps"], r["harts"]["steps"]
-        assert [x["seed"] for x in b] == [x["seed"] for x in h] == [1, 2]
+        assert [x["seed"] for x in b] == [x["seed"] for x in h] == [4, 5]
         assert [x["traj_tokens"] for x in b] == [x["traj_tokens"] for x in h]     # all trajectories, both sides
         assert b[0]["traj_tokens"] != b[1]["traj_tokens"]                        # different batches
         for x in b + h:      # the DP replicas together hold the whole batch
