@@ -665,6 +665,10 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, name: str, skipped
              "DDP gradient all-reduce). Imbalance = max / mean - 1 over DP replicas of the fwd+bwd time "
              "(pred: the planner's cost model). Numerics on the first timed batch: tree vs baseline and a baseline "
              "rerun with another composition vs the baseline.", ""]
+    cpu = any(x.get("correctness_only") for x in metas)
+    if cpu:
+        lines += ["**CPU (gloo) run: correctness only.** Tiny fp32 models on CPU processes that share their cores; "
+                  "the times and imbalances below say nothing about GPUs.", ""]
     lines += [f"- `{command_line(x.get('argv', []))}`" for x in metas]
     lines += ["", "## Per configuration", ""] + table(rows) + ["", "## Per rank", ""] + rank_table(rows)
     lines += [""] * bool(skipped) + [f"Not run: {x['model']} at {x['config']}: {x['reason']}" for x in skipped]
@@ -690,6 +694,8 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, name: str, skipped
     bx.set_ylabel("measured DP imbalance")
     bx.grid(alpha=0.3)
     bx.legend(fontsize=7)
+    fig.suptitle(f"{m.get('device', '?')}" + (": CPU correctness run, times not meaningful" if cpu else ""),
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
     lines += ["", f"![speedup and imbalance]({name}.png)", ""]
