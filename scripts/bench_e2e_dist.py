@@ -60,7 +60,6 @@ import contextlib
 import faulthandler
 import json
 import os
-import random
 import statistics
 import sys
 import time

@@ -141,6 +141,27 @@ def test_imbalance_fields_follow_the_rank_times(run):
         assert r["imbalance_gap"] == pytest.approx(abs(r["harts"]["measured_imbalance"] - r["harts"]["predicted_imbalance"]))
 
 
+@pytest.mark.timeout(200)
+def test_dp2_gradient_equals_one_process_gradient(run, tmp_path):
+    """Megatron's DDP all-reduce (1/DP pre-scaled) and the loss scaling (x M x DP, Megatron divides
+    by M) give the whole batch's gradient: the DP=2 run's global loss and gradient norm equal those
+    of one process on the same batch and weights (a uniform mis-scaling would pass the tree vs
+    baseline comparison, not this one)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), SCRIPT, "--device", "cpu", "--tiny",
+           "--tiny-groups", "4", "--models", "dense", "--max-steps", "1", "--seed", "4", "--warmup-batches", "0",
+           "--no-rerun", "--watchdog", "150", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-4000:]
+    (one,) = json.loads((tmp_path / "e2e_dist.json").read_text())["rows"]
+    (dp2,) = [r for r in run[0]["rows"] if r["config"] == "TP1 PP1 DP2" and r["model"] == "dense"]
+    assert one["config"] == "TP1 PP1 DP1" and one["numerics"]["trajectories"] == dp2["numerics"]["trajectories"]
+    for k in ("loss_baseline", "grad_norm_baseline", "loss_harts", "grad_norm_harts"):
+        assert dp2["numerics"][k] == pytest.approx(one["numerics"][k], rel=1e-5), k
+
+
 def test_plot_renders_table_and_figure(run, tmp_path):
     _, out = run
     mod = _module()
