@@ -48,7 +48,7 @@ max over parameters of the per-parameter gradient relative difference (Megatron'
 ``main_grad``), tree vs baseline next to rerun vs baseline. Targets (issue 17): speedup >= 0.9 x
 compression, >= 5x on swe with recomputation; |measured - predicted HARTS imbalance| <= 0.05.
 
-Rank 0 writes ``--out/--name`` (JSON, after every row) and prints a markdown table; ``--plot``
+Rank 0 writes ``--out/--name`` (JSON, after every row) and, at the end, the tables as ``<name>.md``; ``--plot``
 renders ``<name>.md`` (table) and ``<name>.png`` (speedup vs compression; measured vs predicted
 imbalance) from result JSONs. Bad arguments or a combination Megatron refuses: one line on
 stderr, exit status 2.
@@ -878,6 +878,10 @@ def run(args, cfgs: list[dict], argv) -> int:
     if rank == 0:
         with open(path, "w") as f:
             json.dump({"meta": meta, "rows": rows, "skipped": skipped}, f, indent=1)
+        md = table(rows) + [""] + rank_table(rows) + [f"Not run: {x['model']} at {x['config']}: {x['reason']}"
+                                                     for x in skipped]
+        with open(os.path.splitext(path)[0] + ".md", "w") as f:       # --plot renders the full page + figure
+            f.write("\n".join(md) + "\n")
         print("\n".join(table(rows)))
     dist.barrier()
     ps.destroy_model_parallel()

@@ -164,6 +164,8 @@ def test_dp2_gradient_equals_one_process_gradient(run, tmp_path):
 
 def test_plot_renders_table_and_figure(run, tmp_path):
     _, out = run
+    run_md = (out / "e2e_dist.md").read_text()           # written by rank 0 at the end of the run
+    assert all(f"| {cfg} | {model} | swe |" in run_md for cfg, model in CONFIGS.items())
     mod = _module()
     assert mod.main(["--plot", str(out / "e2e_dist.json"), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "e2e_dist.md").read_text()
