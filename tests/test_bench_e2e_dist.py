@@ -290,3 +290,18 @@ def test_tree_gdn_input_split_matches_megatron_under_context_parallelism(cp):
     assert len(ours) == len(ref) == 5
     for a, b in zip(ours, ref):
         assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_tree_packing_args_refuse_expert_parallel_allgather():
+    """Under EP the DP ranks of an expert group hold packs of different lengths; Megatron's allgather
+    dispatcher gathers equal token counts (on gloo the 2-process EP=2 run of this driver aborted with
+    it), so ``--tree-packing`` with EP > 1 asks for the all-to-all dispatcher, as under PP."""
+    from megatron_harts.megatron.arguments import TreePackingArgumentError, validate_tree_packing_args
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_megatron_dist import BASE, _megatron_args
+
+    ep = ["--num-experts", "4", "--expert-model-parallel-size", "2"]
+    with pytest.raises(TreePackingArgumentError, match="expert-model-parallel-size 2 needs --moe-token-dispatcher"):
+        validate_tree_packing_args(_megatron_args(BASE + ep))
+    validate_tree_packing_args(_megatron_args(BASE + ep + ["--moe-token-dispatcher-type", "alltoall"]))
+    validate_tree_packing_args(_megatron_args(BASE + ["--num-experts", "4"]))          # EP=1: allgather is fine
