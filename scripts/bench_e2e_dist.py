@@ -395,6 +395,7 @@ class Runner:
         E.reset_peak(self.device)
         self.clock.sync()
         dist.barrier()
+        self.clock.sync()                 # NCCL's barrier is a device collective: wait for it
         t0 = time.perf_counter()
         if side == "harts":
             mb_trees, pred = harts_microbatches(trajs, a, self.cm, cfg["dp"], self.dp_rank, m_min)
