@@ -83,7 +83,7 @@ TINY = {"dense": ("G-G-*-", dict(hidden_size=64)), "moe": ("GE*E", dict(hidden_s
 def workload(name: str, args) -> list:
     """Trajectories of a workload name: swe, tau, sweep:<compression>."""
     if args.tiny:
-        tiny = dict(num_groups=2, group_size=(3, 4), turns=(2, 4), system_tokens=(20, 40), task_tokens_median=10,
+        tiny = dict(num_groups=getattr(args, "tiny_groups", 2), group_size=(3, 4), turns=(2, 4), system_tokens=(20, 40), task_tokens_median=10,
                     task_tokens_max=20, assistant_tokens_median=8, assistant_tokens_range=(2, 20),
                     env_tokens_median=12, env_tokens_range=(2, 40), max_tokens=200, vocab_size=64, seed=args.seed)
         if name.startswith("sweep:"):

@@ -15,6 +15,8 @@
 #   LOAD / SAVE: checkpoint dirs (optional)  TORCHRUN [torchrun] launcher command
 #   (e.g. "python3 -m torch.distributed.run" where torchrun is not on PATH)
 # With --transformer-impl local and no Apex, also pass --no-persist-layer-norm (Megatron asserts otherwise).
+# The HARTS vs trajectory-wise benchmark (scripts/bench_e2e_dist.py) has its own launcher with the same
+# torchrun knobs: scripts/launch_bench_dist.sh (docs/benchmarks/multigpu.md).
 # Dropout is off (Megatron's defaults are 0.1): tree attention has none, RL log-prob ratios need none.
 # Logged every --log-interval: Megatron's "rl loss" (or "rl loss negated" when negative: Megatron
 # prints only non-negative averages), "compression", clip fraction, KL; and per

@@ -132,6 +132,12 @@ def tree_packing_errors(args) -> list[str]:
         errs.append("--tree-packing with --pipeline-model-parallel-size > 1 and MoE needs "
                     "--moe-token-dispatcher-type alltoall (or flex): tree packs differ in length, so pipeline "
                     "stages exchange variable sequence lengths, which Megatron's allgather dispatcher refuses")
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    if ep > 1 and getattr(args, "num_experts", None) and \
+            getattr(args, "moe_token_dispatcher_type", "allgather") == "allgather":
+        errs.append(f"--tree-packing with --expert-model-parallel-size {ep} needs --moe-token-dispatcher-type "
+                    "alltoall (or flex): the DP ranks of an expert-parallel group hold packs of different lengths, "
+                    "and Megatron's allgather dispatcher gathers equal token counts (all_gather_into_tensor)")
     if getattr(args, "rl_dual_clip_c", None) is not None and args.rl_dual_clip_c <= 1:
         errs.append(f"--rl-dual-clip-c must be > 1, got {args.rl_dual_clip_c}")
     return errs

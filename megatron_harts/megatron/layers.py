@@ -106,7 +106,8 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         path also runs on CPU). ``tree``: no l2norm (the tree op applies it in its kernel) and
         no contiguous copies (the op gathers its inputs anyway). qkv ``[b, s, C]`` -> q, k
         ``[b, s, HV, Dk]``, v ``[b, s, HV, Dv]``, gate, ``*gate_feats``."""
-        query_key, value = torch.split(qkv, [2 * self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
+        cp = self.cp_size        # the stock (non-tree) THD path under context parallelism: heads split over CP
+        query_key, value = torch.split(qkv, [2 * self.qk_dim_local_tp // cp, self.v_dim_local_tp // cp], dim=-1)
         query_key = query_key.reshape(batch, seq_len, -1, self.key_head_dim)
         value = value.reshape(batch, seq_len, -1, self.value_head_dim)
         if self.use_qk_l2norm and not tree:
