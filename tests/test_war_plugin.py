@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_harts.rollout.war.sglang_plugin import ALGO_NAME, SuffixCorpus, TrajectoryFeed, group_of, sglang_site
+from megatron_harts.rollout.war.sglang_plugin import (ALGO_NAME, ENTRY_POINT, SuffixCorpus, TrajectoryFeed, group_of,
+                                                      sglang_site, write_plugin_dist)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = "harts_suffix = megatron_harts.rollout.war.sglang_plugin:register"
+assert ENTRY == ENTRY_POINT
 
 CHECK = r'''
 import json, sys
@@ -31,7 +33,9 @@ load_plugins()
 algo = SpeculativeAlgorithm.from_string("harts_suffix")
 out = {"repr": repr(algo), "registered": spec_registry.get_spec("HARTS_SUFFIX") is algo,
        "is_ngram": algo.is_ngram(), "is_speculative": algo.is_speculative(), "is_eagle": algo.is_eagle(),
-       "has_draft_kv": algo.has_draft_kv(), "overlap": algo.supports_overlap}
+       "has_draft_kv": algo.has_draft_kv(), "overlap": algo.supports_overlap,
+       "ngram_args": "_handle_ngram" in type(algo).handle_server_args.__code__.co_names}
+from sglang.srt.arg_groups.speculative_hook import _handle_ngram   # the hook it delegates to exists
 class SA:                                                         # the worker needs sgl_kernel (GPU)
     disable_overlap_schedule = True
 try:
@@ -59,10 +63,7 @@ def site():
 @pytest.mark.timeout(300)
 def test_registration_through_sglangs_plugin_loader(site, tmp_path):
     # a distribution declaring our entry point, as `pip install megatron_harts` does (setup.py)
-    dist = tmp_path / "harts_war_plugin-0.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: harts-war-plugin\nVersion: 0.0\n")
-    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{ENTRY}\n")
+    write_plugin_dist(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(site), str(ROOT)]))
     r = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=240)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -70,7 +71,7 @@ def test_registration_through_sglangs_plugin_loader(site, tmp_path):
     out = json.loads(line[0][7:])
     assert out["repr"].endswith(f"('{ALGO_NAME}')") and out["registered"]
     assert out["is_ngram"] and out["is_speculative"] and not out["is_eagle"] and not out["has_draft_kv"]
-    assert out["overlap"] is True
+    assert out["overlap"] is True and out["ngram_args"]
     assert "sgl_kernel" in out["worker"], out["worker"]           # the factory reaches NGRAMWorker
     # SGLang reads our chain: root (the last context token) -> group g's continuation (a match
     # of 2 tokens earns 2 draft tokens), the unused nodes as leaves under the root

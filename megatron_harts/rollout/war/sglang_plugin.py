@@ -81,6 +81,20 @@ def sglang_site(path: str | os.PathLike | None = None, install: bool = True) -> 
     return site
 
 
+ENTRY_POINT = "harts_suffix = megatron_harts.rollout.war.sglang_plugin:register"
+
+
+def write_plugin_dist(directory: str | os.PathLike) -> Path:
+    """A minimal installed-distribution record declaring our ``sglang.srt.plugins`` entry point
+    in ``directory`` (put it on the server's ``PYTHONPATH``), for a checkout that is not
+    ``pip install``-ed (the installed package declares it in setup.py)."""
+    dist = Path(directory) / "harts_war_plugin-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: harts-war-plugin\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{ENTRY_POINT}\n")
+    return Path(directory)
+
+
 def ngram_corpus_cls():
     """SGLang's ``NgramCorpus`` class (its C++ trie + suffix automaton, JIT-built by tvm-ffi on
     first use). SGLang 0.5.17's ``result.h`` uses ``size_t`` without ``<cstddef>``, which g++ 12
@@ -243,6 +257,12 @@ def _spec_class():
 
         def has_draft_kv(self) -> bool:
             return False
+
+        def handle_server_args(self, server_args) -> None:
+            # NGRAM's own defaults and checks (max running requests, top-k = BFS breadth, steps)
+            from sglang.srt.arg_groups.speculative_hook import _handle_ngram
+
+            _handle_ngram(server_args)
 
     return SuffixSpecAlgo
 
