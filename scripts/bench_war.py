@@ -84,6 +84,7 @@ def part_drafters(args) -> list[dict]:
             row = {"part": "drafters", "method": r.method, "budget": budget, "accept_len": round(r.accept_len, 3),
                    "accepted_per_step": round(r.accept_len - 1, 3), "verify_steps": r.steps,
                    "model_tokens": r.emitted, "draft_us_mean": round(r.draft_us_mean, 1),
+                   "draft_us_median": round(r.draft_us_median, 1),
                    "draft_us_p99": round(r.draft_us_p99, 1), "index_s": round(r.update_s, 2),
                    "accept_len_by_step": {str(k): round(v, 3) for k, v in r.accept_len_by_step.items()},
                    "streams": f"code_repair scripted x{len(streams)} ({args.tasks} tasks x {args.samples} samples x "
@@ -301,12 +302,12 @@ def plot(rows: list[dict], path: Path) -> None:
     w = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
         acc = [next((r["accept_len"] for r in dr if r["method"] == m and r["budget"] == b), 0) for b in budgets]
-        lat = [next((r["draft_us_mean"] for r in dr if r["method"] == m and r["budget"] == b), 0) for b in budgets]
+        lat = [next((r["draft_us_median"] for r in dr if r["method"] == m and r["budget"] == b), 0) for b in budgets]
         xs = [i + j * w for i in range(len(budgets))]
         axes[0].bar(xs, acc, w, label=m)
         axes[1].bar(xs, lat, w, label=m)
     for ax, t in ((axes[0], "tokens per verification step (accept length)"),
-                  (axes[1], "drafter latency per call (us, CPU)")):
+                  (axes[1], "drafter latency per call, median (us, shared CPU)")):
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(budgets))], [f"budget {b}" for b in budgets])
         ax.set_title(t, fontsize=10)
     axes[0].legend(fontsize=7)

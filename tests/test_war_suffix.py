@@ -99,6 +99,40 @@ def test_remove_restores_the_trie(seqs, depth):
     assert canon(full, depth) == canon(rest, depth)
 
 
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["ctx", "ctx", "ctx", "add"]), st.lists(st.integers(0, 2), min_size=1,
+                                                                                      max_size=6),
+                              st.integers(1, 4)), min_size=1, max_size=25),
+       depth=st.integers(2, 9))
+def test_cached_match_state_equals_fresh_search(ops, depth):
+    """The per-request match cache gives exactly the fresh binary search's drafts."""
+    cfg = DrafterConfig(max_depth=depth, budget=3, min_token_prob=0.0)
+    trie, ctx, state = SuffixTrie(depth), [], [-1, 0, 0, 0, 0]
+    trie.add([0, 1, 2, 0, 1, 1, 2])
+    for kind, toks, budget in ops:
+        if kind == "add":
+            trie.add(toks)
+        else:
+            ctx += toks
+        got = trie.draft(ctx, cfg, budget, state=state)
+        want = trie.draft(ctx, cfg, budget)
+        assert (got.tokens, got.match_len) == (want.tokens, want.match_len)
+
+
+def test_cached_match_state_invalidation():
+    cfg = DrafterConfig(max_depth=6, budget=4, min_token_prob=0.0)
+    trie, state = SuffixTrie(6), [-1, 0, 0, 0, 0]
+    trie.add([5, 6, 7])
+    assert trie.draft([9, 6], cfg, state=state).tokens == [7]
+    trie.add([9, 6, 8, 8])                      # a longer match appears: the state must not be reused
+    d = trie.draft([9, 6], cfg, state=state)
+    assert (d.match_len, d.tokens) == (2, [8, 8])
+    trie, state = SuffixTrie(6), [-1, 0, 0, 0, 0]
+    trie.add([1, 2, 3, 4, 5, 6])
+    assert trie.draft([1, 2, 3], cfg, 4, state=state).match_len == 2       # capped at 6 - 4
+    assert trie.draft([1, 2, 3, 4], cfg, 1, state=state).match_len == 4    # a larger cap: search again
+
+
 def test_streaming_extend_equals_add():
     rng = random.Random(0)
     q = [rng.randrange(5) for _ in range(300)]

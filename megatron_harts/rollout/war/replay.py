@@ -234,7 +234,7 @@ class SGLangNgramMethod:
 @dataclass
 class ReplayResult:
     """Per method: ``steps`` (verifications), ``emitted`` model tokens, ``accept_len``
-    (emitted / steps), ``draft_us_mean``/``draft_us_p99`` (microseconds per draft call),
+    (emitted / steps), ``draft_us_mean``/``draft_us_median``/``draft_us_p99`` (microseconds per draft call),
     ``update_s`` (seconds spent indexing), per-step ``accept_len_by_step``."""
 
     method: str
@@ -242,6 +242,7 @@ class ReplayResult:
     emitted: int = 0
     accept_len: float = 0.0
     draft_us_mean: float = 0.0
+    draft_us_median: float = 0.0
     draft_us_p99: float = 0.0
     update_s: float = 0.0
     accept_len_by_step: dict = field(default_factory=dict)
@@ -295,6 +296,7 @@ def replay(method: Method, streams: Sequence[Stream]) -> ReplayResult:
     res.accept_len = res.emitted / max(res.steps, 1)
     res.draft_us_mean = float(np.mean(lat)) if lat else 0.0
     res.draft_us_p99 = float(np.percentile(lat, 99)) if lat else 0.0
+    res.draft_us_median = float(np.median(lat)) if lat else 0.0
     res.update_s = upd
     res.accept_len_by_step = {k: v[1] / v[0] for k, v in sorted(by_step.items())}
     return res

@@ -30,6 +30,7 @@ Units: tokens are ints, latencies seconds.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import deque
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 log = logging.getLogger(__name__)
+_VERSIONS = itertools.count(1)      # trie versions, unique across tries
 
 
 @dataclass
@@ -96,6 +98,7 @@ class SuffixTrie:
         self.children: list[dict[int, int]] = [{}]
         self.count: list[int] = [0]
         self._free: list[int] = []
+        self.version = next(_VERSIONS)   # renewed by every change (invalidates cached match states)
 
     @property
     def num_nodes(self) -> int:
@@ -119,6 +122,7 @@ class SuffixTrie:
         its suffixes of length 1, 2, ... ending at its last token; ``None``/empty: a new stream) is
         given; returns the new frontier. ``O(len(tokens) * max_depth)``."""
         front = list(frontier or [])
+        self.version = next(_VERSIONS)
         d, children, count, child = self.max_depth, self.children, self.count, self._child
         for t in tokens:
             t = int(t)
@@ -138,6 +142,7 @@ class SuffixTrie:
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo :meth:`add` of the same ``tokens`` (nodes whose count drops to 0 are freed)."""
         d, children, count = self.max_depth, self.children, self.count
+        self.version = next(_VERSIONS)
         front: list[int] = []          # node of each suffix ending at the previous token
         for t in tokens:
             t = int(t)
@@ -212,12 +217,36 @@ class SuffixTrie:
             probs.append(p)
         return toks, probs
 
+    def match_from(self, context: Sequence[int], max_len: int, state: list | None) -> tuple[int, int]:
+        """:meth:`longest_match`, reusing ``state`` = ``[version, context length, m, node,
+        max_len]`` of an earlier call on a prefix of the same context (updated in place). If the
+        trie and ``max_len`` are unchanged and the old match extends by the ``j`` new tokens to a continued node of length
+        ``<= max_len``, that is the longest match (a longer one would end in a match longer than
+        ``m`` before the new tokens); otherwise a fresh binary search."""
+        n = len(context)
+        if state is not None and state[0] == self.version and state[4] == max_len and 0 <= n - state[1] \
+                and state[2] > 0 and state[2] + n - state[1] <= min(max_len, self.max_depth - 1):
+            v, children = state[3], self.children
+            for t in context[state[1]:]:
+                v = children[v].get(int(t), -1)
+                if v < 0:
+                    break
+            if v >= 0 and children[v]:
+                m = state[2] + n - state[1]
+                state[1:4] = [n, m, v]
+                return m, v
+        m, v = self.longest_match(context, max_len)
+        if state is not None:
+            state[:] = [self.version, n, m, v, max_len]
+        return m, v
+
     def draft(self, context: Sequence[int], cfg: DrafterConfig, budget: int | None = None,
-              source: str = "") -> Draft:
-        """The draft of this trie alone for ``context`` (see the module docstring)."""
+              source: str = "", state: list | None = None) -> Draft:
+        """The draft of this trie alone for ``context`` (see the module docstring); ``state``:
+        a per-request match cache (:meth:`match_from`)."""
         budget = cfg.budget if budget is None else budget
         # leave room for the draft below the depth bound
-        m, node = self.longest_match(context, max(1, self.max_depth - budget))
+        m, node = self.match_from(context, max(1, self.max_depth - budget), state)
         if m < cfg.min_match:
             return Draft()
         cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
@@ -237,6 +266,7 @@ class ContextIndex:
         self.trie = SuffixTrie(max_depth)
         self.tokens: list[int] = []
         self._front: list[int] = []
+        self.match_state: dict[int, list] = {}        # id(trie) -> its match_from state
         self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -302,10 +332,11 @@ class SuffixDrafter:
             sources.append((self.groups[group], "group"))
         if self.cfg.use_global or group is None:
             sources.append((self.glob, "global"))
-        tail = tokens[-self.cfg.max_depth:]
         best = Draft()
+        states = ctx.match_state if isinstance(ctx, ContextIndex) else {}
         for trie, name in sources:
-            d = trie.draft(tail, self.cfg, budget, name)
+            st = states.setdefault(id(trie), [-1, 0, 0, 0, 0])
+            d = trie.draft(tokens, self.cfg, budget, name, st)
             if d.score > best.score:
                 best = d
         return best
