@@ -123,15 +123,25 @@ class SuffixTrie:
         given; returns the new frontier. ``O(len(tokens) * max_depth)``."""
         front = list(frontier or [])
         self.version = next(_VERSIONS)
-        d, children, count, child = self.max_depth, self.children, self.count, self._child
+        d, children, count, free = self.max_depth, self.children, self.count, self._free
         for t in tokens:
             t = int(t)
             count[0] += 1
-            new = [child(0, t)]
-            for v in front[:d - 1]:
-                new.append(child(v, t))
-            for v in new:
-                count[v] += 1
+            new = []
+            for v in [0, *front[:d - 1]]:           # inlined _child: this loop is the indexing cost
+                ch = children[v]
+                c = ch.get(t)
+                if c is None:
+                    if free:
+                        c = free.pop()
+                        children[c], count[c] = {}, 0
+                    else:
+                        c = len(count)
+                        children.append({})
+                        count.append(0)
+                    ch[t] = c
+                count[c] += 1
+                new.append(c)
             front = new
         return front
 
