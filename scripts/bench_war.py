@@ -199,21 +199,32 @@ def part_cpu(args) -> list[dict]:
                for i in range(args.replicas)]
     try:
         conc = args.high_tasks * args.group
-        for policy in args.policies:
-            if policy in ("round_robin", "cache_aware", "power_of_two"):
-                with RouterServer([s.url for s in servers], policy, log_path=str(tmp / f"router_{policy}.log")) as rt:
-                    r = _step([rt.engine(timeout=600)], None, args, conc, args.high_tasks, args.group)
-            elif policy == "sticky":
-                r = _step([s.engine(timeout=600) for s in servers], None, args, conc, args.high_tasks, args.group)
-            elif policy == "war":
-                sch = WarScheduler(len(servers), SchedulerConfig(max_running=1, expected_decode=args.max_new_tokens))
-                r = _step(sch.wrap([s.engine(timeout=600) for s in servers]), sch, args, conc, args.high_tasks,
-                          args.group)
-                r["modelled_cache_hit"] = round(sch.cache_hit(), 4)
-            else:
-                fail(f"--policies: unknown policy {policy!r}")
+        runs: dict[str, list[dict]] = {p: [] for p in args.policies}
+        for rep in range(args.repeats):           # interleaved repeats: the shared cores drift
+            for policy in args.policies:
+                if policy in ("round_robin", "cache_aware", "power_of_two"):
+                    with RouterServer([s.url for s in servers], policy,
+                                      log_path=str(tmp / f"router_{policy}.log")) as rt:
+                        r = _step([rt.engine(timeout=600)], None, args, conc, args.high_tasks, args.group)
+                elif policy == "sticky":
+                    r = _step([s.engine(timeout=600) for s in servers], None, args, conc, args.high_tasks, args.group)
+                elif policy == "war":
+                    sch = WarScheduler(len(servers), SchedulerConfig(max_running=args.max_running,
+                                                                     expected_decode=args.max_new_tokens,
+                                                                     load_weight=args.load_weight))
+                    r = _step(sch.wrap([s.engine(timeout=600) for s in servers]), sch, args, conc, args.high_tasks,
+                              args.group)
+                    r["modelled_cache_hit"] = round(sch.cache_hit(), 4)
+                else:
+                    fail(f"--policies: unknown policy {policy!r}")
+                runs[policy].append(r)
+                log.info("%s repeat %d: %s", policy, rep, r)
+        for policy, rs in runs.items():
+            rs = sorted(rs, key=lambda r: r["makespan_s"])
+            med = dict(rs[len(rs) // 2])
+            med["makespan_s_all"] = [r["makespan_s"] for r in rs]
             rows.append(dict(part="cpu", load="high", concurrency=conc, policy=policy, accept_len=None,
-                             device=dev + f", {len(servers)} replicas", **r))
+                             device=dev + f", {len(servers)} replicas; median of {len(rs)} interleaved runs", **med))
             log.info("%s", rows[-1])
     finally:
         for s in servers:
@@ -322,6 +333,32 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def tables(rows: list[dict]) -> tuple[str, str]:
+    """Markdown tables of the drafter rows and of the rollout rows."""
+    dr = ["| budget | method | tokens / verification | accepted / step | verify steps | draft us (median / mean / p99) "
+          "| indexing s | accept len by RL step |", "|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r.get("part") == "drafters"):
+        dr.append(f"| {r['budget']} | {r['method']} | {r['accept_len']:.2f} | {r['accepted_per_step']:.2f} | "
+                  f"{r['verify_steps']} | {r.get('draft_us_median', float('nan')):.0f} / {r['draft_us_mean']:.0f} / "
+                  f"{r['draft_us_p99']:.0f} | {r['index_s']:.1f} | "
+                  + ", ".join(f"{v:.2f}" for v in r["accept_len_by_step"].values()) + " |")
+    ro = ["| part | load | concurrency | policy | tokens/s | makespan s | cache hit | accept len | device |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r.get("part") in ("cpu", "h200")):
+        ro.append(f"| {r['part']} | {r['load']} | {r['concurrency']} | {r['policy']} | {r['tokens_per_s']} | "
+                  f"{r['makespan_s']} | {r['cache_hit']} | {r['accept_len']} | {r['device']} |")
+    return "\n".join(dr), "\n".join(ro)
+
+
+def write_md(rows: list[dict], path: Path, command: str) -> None:
+    dr, ro = tables(rows)
+    path.write_text(
+        "# WAR benchmark\n\nWritten by `scripts/bench_war.py` (see docs/war.md for what the rows mean; the H200 part "
+        "is not run yet).\n\n```\n" + command + "\n```\n\n"
+        "## Drafters, offline replay (CPU, 2 shared cores; latencies noisy)\n\n" + dr +
+        "\n\n## Rollout steps\n\n" + ro + "\n\n![war](war.png)\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="drafters,cpu", help="comma list of drafters, cpu, h200")
@@ -341,6 +378,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="cpu: interleaved repeats of the high-load policies")
     p.add_argument("--merge", action="store_true", help="keep rows of parts not rerun from --out")
     p.add_argument("--force-calls", type=int, default=1, help="1: run call-less turns as `ls` (random models)")
     p.add_argument("--model-path", default=None, help="h200: the served checkpoint")
@@ -373,8 +411,11 @@ def main(argv=None) -> int:
     if "h200" in parts:
         rows += part_h200(args)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python scripts/bench_war.py " + " ".join(argv or sys.argv[1:]),
-                               "rows": rows}, indent=1) + "\n")
+    command = "python scripts/bench_war.py " + " ".join(argv or sys.argv[1:])
+    if args.merge and out.is_file():
+        command = json.loads(out.read_text()).get("command", "") + "; then " + command
+    out.write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+    write_md(rows, out.with_suffix(".md"), command)
     plot(rows, out.with_suffix(".png"))
     log.info("wrote %s and %s", out, out.with_suffix(".png"))
     return 0
