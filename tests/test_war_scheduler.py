@@ -232,3 +232,17 @@ def test_agent_loop_through_the_scheduler(stubs):
     base, _ = _rollout(stubs, lambda ep, engines, load: next(rr) % len(engines))   # round robin
     # the same accounting on the replicas actually used: prefix locality pays
     assert s.cache_hit() > 0.8 > base.cache_hit() + 0.2, (s.cache_hit(), base.cache_hit())
+
+
+def test_bench_script_rejects_bad_input():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
+    for args, word in ((["--parts", "gpu"], "--parts"), (["--budgets", "8,x"], "--budgets"),
+                       (["--parts", "h200"], "--model-path")):
+        r = subprocess.run([sys.executable, str(script), *args, "--out", "/nonexistent/x.json"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
