@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -144,7 +145,7 @@ class SpecDecoder:
             _, cache = self._forward_all(eng, req.input_ids[:-1], cache)
         pending = [req.input_ids[-1]]
         greedy = req.top_k == 1
-        eng.last_step = __import__("time").monotonic()
+        eng.last_step = time.monotonic()
         try:
             while True:
                 n_out = len(req.output_ids)
@@ -163,7 +164,7 @@ class SpecDecoder:
                         draft = self.drafter.draft(ctx, group, budget=min(self.cfg.budget, room)).tokens
                 snapshot = copy.deepcopy(cache) if draft else None
                 logits, cache = self._forward_all(eng, pending + draft, cache)
-                eng.last_step = __import__("time").monotonic()
+                eng.last_step = time.monotonic()
                 rows = logits[len(pending) - 1:]                       # [k+1, V]
                 probs = None if greedy else processed_probs(rows, req.temperature, req.top_k, req.top_p)
                 n_acc, nxt = verify(probs if probs is not None else rows, draft, greedy, gen, logits=rows)
