@@ -21,16 +21,21 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "transformers>=5.0",
-                 "matplotlib>=3.8", "scipy>=1.11", "ray>=2.40", "safetensors>=0.4"],
+                 "matplotlib>=3.8", "scipy>=1.11", "ray>=2.40", "safetensors>=0.4", "sglang-router==0.3.2"],
         # the RL loop (megatron_harts.rollout): Ray actors, the embedded transformers engine, checkpoints;
         # sandboxes need bubblewrap (apt-get install bubblewrap) and root for overlayfs mounts
         "rollout": ["ray>=2.40", "transformers>=5.0", "safetensors>=0.4"],
         "sglang": ["sglang>=0.5"],
+        # WAR (megatron_harts.rollout.war): the sglang-router anchor of the scheduler benchmark;
+        # arctic-inference (offline drafter comparison) builds from its sdist, see docs/war.md
+        "war": ["sglang-router==0.3.2"],
         "bench": ["matplotlib>=3.8", "scipy>=1.11"],
         "te": ["transformer-engine>=2.0"],
         "apex": ["apex"],
     },
     entry_points={"console_scripts": ["harts-demo=megatron_harts.demo:main",
                                       "harts-verify=megatron_harts.verify:main",
-                                      "harts-rl=megatron_harts.rollout.cli:main"]},
+                                      "harts-rl=megatron_harts.rollout.cli:main"],
+                  # WAR: SGLang's general plugins (speculative algorithm HARTS_SUFFIX)
+                  "sglang.srt.plugins": ["harts_suffix = megatron_harts.rollout.war.sglang_plugin:register"]},
 )

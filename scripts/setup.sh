@@ -45,5 +45,8 @@ if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
+# WAR's SGLang plugin tests import SGLang 0.5.17 on CPU: installed without its dependencies into its
+# own directory (~/.cache/megatron_harts/sglang-0.5.17), never into the venv (it pins another torch)
+.venv/bin/python -c 'from megatron_harts.rollout.war.sglang_plugin import sglang_site; print("[setup] SGLang for the WAR plugin tests in", sglang_site())'
 .venv/bin/python -c 'import megatron_harts, torch, megatron.core; print("[setup] ok: torch", torch.__version__, "megatron-core", megatron.core.__version__)'
 sha256sum setup.py > .venv/.harts-setup-stamp   # test.sh / demo.sh re-run setup when setup.py changes

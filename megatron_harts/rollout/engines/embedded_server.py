@@ -81,6 +81,8 @@ class _Request:
     stop_ids: frozenset
     seed: int | None
     return_logprob: bool
+    speculative: bool = True             # draft-verify when the engine has speculation (WAR)
+    spec_steps: int = 0                  # verification steps (speculative requests)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
@@ -107,8 +109,15 @@ class EmbeddedEngine:
     ``threads``: torch intra-op threads.
     """
 
-    def __init__(self, model_path: str, weight_version: str | None = None, threads: int | None = None):
+    def __init__(self, model_path: str, weight_version: str | None = None, threads: int | None = None,
+                 speculative=None):
         import torch
+
+        # ``speculative``: a ``war.speculative.SpecConfig`` -> lossless suffix speculation (WAR)
+        self.spec = None
+        if speculative is not None:
+            from ..war.speculative import SpecDecoder
+            self.spec = SpecDecoder(speculative)
 
         self.torch = torch
         if threads:
@@ -245,7 +254,8 @@ class EmbeddedEngine:
             raise BadRequest("rid must be a string (no batches)")
         return _Request(rid=rid, input_ids=ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
                         top_k=top_k, stop_ids=stop, seed=None if seed is None else int(seed),
-                        return_logprob=bool(body.get("return_logprob")))
+                        return_logprob=bool(body.get("return_logprob")),
+                        speculative=bool(body.get("speculative", True)))
 
     def submit(self, req: _Request) -> None:
         with self._cv:
@@ -260,6 +270,9 @@ class EmbeddedEngine:
         meta = {"id": req.rid, "finish_reason": req.finish, "prompt_tokens": len(req.input_ids),
                 "weight_version": req.weight_version, "completion_tokens": len(req.output_ids), "cached_tokens": 0,
                 "e2e_latency": time.perf_counter() - req.t0}
+        if req.spec_steps:                    # SGLang's names for speculative requests
+            meta["spec_verify_ct"] = req.spec_steps
+            meta["spec_accept_length"] = len(req.output_ids) / req.spec_steps
         if req.return_logprob:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
@@ -397,6 +410,8 @@ class EmbeddedEngine:
     def _generate(self, req: _Request) -> None:
         torch = self.torch
         gen = torch.Generator().manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
+        if self.spec is not None and req.speculative:
+            return self.spec.generate(self, req, gen)
         self._wait_unpaused(req)
         if req.abort_message is not None:
             return self._finish(req, {"type": "abort", "message": req.abort_message, "status_code": None,
@@ -554,7 +569,24 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"engine": ENGINE_NAME, "version": "embedded", "model_path": eng.model_path,
                          "weight_version": eng.weight_version, "paused": eng.paused,
                          "memory_released": sorted(eng.memory_released), "tokens_generated": eng.tokens_generated,
-                         "load": eng.load_stats()})
+                         "load": eng.load_stats(),
+                         "speculative": None if eng.spec is None else dict(eng.spec.stats,
+                                                                            accept_len=eng.spec.accept_len())})
+
+    def war_add_trajectories(self, body):
+        """WAR: index completed trajectories for suffix speculation:
+        ``{"trajectories": [{"tokens": [...], "group": "..."}]}``."""
+        eng = self.engine
+        if eng.spec is None:
+            raise BadRequest("speculation is off (start the server with --speculative-algorithm suffix)")
+        trajs = body.get("trajectories")
+        if not isinstance(trajs, list):
+            raise BadRequest("trajectories must be a list of {tokens, group}")
+        for t in trajs:
+            if not isinstance(t, dict) or not isinstance(t.get("tokens"), list):
+                raise BadRequest("each trajectory needs a tokens list")
+            eng.spec.add_trajectory([int(x) for x in t["tokens"]], t.get("group"))
+        self._send(200, {"success": True, "indexed": len(trajs), "indexed_tokens": eng.spec.drafter.indexed_tokens})
 
     def flush_cache(self, body):
         self._send(200, text="Cache flushed (the embedded engine has no prefix cache).\n")
@@ -611,7 +643,7 @@ _ROUTES = {
     "/model_info": _Handler.model_info, "/get_model_info": _Handler.model_info,
     "/get_weight_version": _Handler.weight_version, "/weight_version": _Handler.weight_version,
     "/server_info": _Handler.server_info, "/get_server_info": _Handler.server_info,
-    "/flush_cache": _Handler.flush_cache, "/update_weights_from_disk": _Handler.update_weights_from_disk,
+    "/flush_cache": _Handler.flush_cache, "/war/add_trajectories": _Handler.war_add_trajectories, "/update_weights_from_disk": _Handler.update_weights_from_disk,
     "/update_weight_version": _Handler.update_weight_version,
     "/release_memory_occupation": _Handler.release_memory_occupation,
     "/resume_memory_occupation": _Handler.resume_memory_occupation,
@@ -648,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--speculative-algorithm", default=None, choices=["suffix"],
+                   help="WAR: lossless suffix speculation over completed trajectories (default: off)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=8, help="draft tokens per verification")
+    p.add_argument("--speculative-corpus", default=None, help="JSONL of completed trajectories to watch")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -657,7 +693,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     block_gpu_kernel_packages()
     log.info("%s starting: model %s, %s:%d", ENGINE_NAME, args.model_path, args.host, args.port)
-    engine = EmbeddedEngine(args.model_path, args.weight_version, args.threads)
+    spec = None
+    if args.speculative_algorithm:
+        if args.speculative_num_draft_tokens < 1:
+            log.error("--speculative-num-draft-tokens must be >= 1, got %d", args.speculative_num_draft_tokens)
+            return 2
+        from ..war.speculative import SpecConfig
+        spec = SpecConfig(budget=args.speculative_num_draft_tokens, feed=args.speculative_corpus)
+    engine = EmbeddedEngine(args.model_path, args.weight_version, args.threads, speculative=spec)
     httpd = serve(engine, args.host, args.port)
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, httpd), daemon=True).start()

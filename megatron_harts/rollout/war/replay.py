@@ -1,0 +1,302 @@
+"""Offline drafter evaluation: logged trajectories replayed token by token.
+
+Streams (:func:`code_repair_streams`): scripted agentic episodes on the real ``code_repair``
+environment (real bubblewrap sandboxes run every command; observations are the real outputs),
+tokenised with the project's :class:`~megatron_harts.rollout.tokenizer.ByteTokenizer`. The model
+turns are *scripted*, not sampled from a model (no trained model here): per sample a seeded
+choice among realistic strategies -- read the file (``cat``/``sed -n``/``head``), run the tests,
+fix the bug either by rewriting ``solution.py`` with a heredoc quoting the whole fixed source or
+by a ``python3`` string replacement of the buggy line, sometimes after a wrong first edit, test
+again, answer. So the model turns quote and patch real standard-library source that the
+observations showed, which is what suffix speculation exploits in agentic coding rollouts.
+
+Replay (:func:`replay`): RL steps in order; in a step each trajectory is replayed turn by turn
+(one request per model turn, its prompt = the context so far). In a model turn each verification
+step asks the method for a draft of at most ``budget`` tokens given the context, accepts its
+longest prefix that equals the logged tokens (greedy verification against the logged stream; a
+tree draft: its best path), and emits accepted + 1 tokens (the target's own next token), never
+past the end of the turn. ``accept_len`` = emitted tokens per verification step (SGLang's
+"accept length"; 1.0 = no speculation gain). Drafter latency: wall time of each draft call
+(index updates timed separately).
+
+Methods: ``ours`` (:class:`~.suffix.SuffixDrafter`), ``arctic`` (arctic-inference's
+``SuffixDecodingCache``), ``sglang_ngram`` (SGLang 0.5.17's ``NgramCorpus`` fed as its NGRAM
+worker feeds it) and ``sglang_ngram_corpus`` (the same plus every completed trajectory loaded as
+an external corpus).
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .suffix import DrafterConfig, SuffixDrafter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stream:
+    """One logged trajectory: ``tokens`` ``[n]``, ``loss_mask`` ``[n]`` (1 on model tokens),
+    ``group`` (task), ``step`` (RL step), ``traj_id``."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    group: str
+    step: int
+    traj_id: str
+
+    def turns(self) -> list[tuple[int, int]]:
+        """``[(start, end)]`` of the model-generated segments (each one engine request)."""
+        out, start = [], None
+        for i, m in enumerate(list(self.loss_mask) + [0]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                out.append((start, i))
+                start = None
+        return out
+
+
+# ----------------------------------------------------------------------------------- streams
+def _fix_actions(rng: random.Random, mutant: str, fixed: str, name: str) -> list[str]:
+    """The model turns of one scripted code_repair episode (see the module docstring)."""
+    read = rng.choice(["cat solution.py", "cat -n solution.py", "sed -n '1,200p' solution.py", "head -n 120 solution.py"])
+    test = "python3 test_solution.py"
+    old = [ln for ln in difflib.ndiff(mutant.splitlines(), fixed.splitlines()) if ln.startswith("- ")]
+    new = [ln for ln in difflib.ndiff(mutant.splitlines(), fixed.splitlines()) if ln.startswith("+ ")]
+    old_line, new_line = (old[0][2:], new[0][2:]) if old and new else ("", "")
+    heredoc = f"cat > solution.py << 'EOF'\n{fixed.rstrip()}\nEOF"
+    replace = ("python3 - << 'EOF'\nimport pathlib\np = pathlib.Path('solution.py')\ns = p.read_text()\n"
+               f"s = s.replace({old_line!r}, {new_line!r})\np.write_text(s)\nprint('patched')\nEOF")
+    fix = heredoc if rng.random() < 0.6 else replace
+    acts = [f"<call>{read}</call>"]
+    if rng.random() < 0.7:
+        acts.append(f"<call>{test}</call>")
+    if rng.random() < 0.3:                       # a wrong first edit: the buggy source written back
+        acts.append(f"<call>cat > solution.py << 'EOF'\n{mutant.rstrip()}\nEOF</call>")
+        acts.append(f"<call>{test}</call>")
+    acts.append(f"<call>{fix}</call>")
+    acts.append(f"<call>{test}</call>")
+    acts.append(f"<answer>Fixed `{name}`: the line `{old_line.strip()}` is now `{new_line.strip()}`; "
+                f"the tests pass.<eos>")
+    return acts
+
+
+def code_repair_streams(n_tasks: int = 6, samples: int = 4, steps: int = 3, seed: int = 0) -> list[Stream]:
+    """``steps * n_tasks * samples`` trajectories of scripted episodes on code_repair tasks
+    ``0 .. n_tasks-1`` (real sandboxes; needs bubblewrap), byte-tokenised."""
+    from ..agent_loop import scripted_trajectory
+    from ..envs.code_repair import CodeRepairEnv, select
+    from ..tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    out: list[Stream] = []
+    for step in range(steps):
+        for t in range(n_tasks):
+            fn, site, task = select(seed, t)
+            mutant = (task / "workspace" / "solution.py").read_text()
+            for s in range(samples):
+                rng = random.Random(f"{seed}/{step}/{t}/{s}")
+                env = CodeRepairEnv(t, seed)
+                acts = _fix_actions(rng, mutant, env.reference_solution, fn.name)
+                tr = scripted_trajectory(env, acts, tok, traj_id=f"s{step}/t{t}/{s}", group_id=f"t{t}")
+                out.append(Stream([int(x) for x in tr.tokens], [int(x) for x in tr.loss_mask], f"t{t}", step,
+                                  f"s{step}/t{t}/{s}"))
+    return out
+
+
+# ----------------------------------------------------------------------------------- methods
+class Method(Protocol):
+    name: str
+
+    def start(self, stream: Stream, prompt_end: int) -> None: ...
+
+    def draft(self, context: Sequence[int]) -> list[list[int]]: ...
+
+    def accept(self, context: Sequence[int], new: Sequence[int]) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def finish(self, stream: Stream) -> None: ...
+
+
+class OursMethod:
+    """:class:`SuffixDrafter`: group + global tries of completed trajectories, and the
+    trajectory's own context (kept across its turns, extended by observations and accepted tokens)."""
+
+    def __init__(self, cfg: DrafterConfig, name: str = "ours"):
+        self.name, self.d = name, SuffixDrafter(cfg)
+        self._ctx, self._stream, self.budget = None, None, cfg.budget
+
+    def start(self, stream, prompt_end):
+        if self._stream is not stream:
+            self._stream, self._ctx = stream, self.d.start(stream.tokens[:prompt_end])
+        else:
+            self._ctx.extend(stream.tokens[len(self._ctx.tokens):prompt_end])
+
+    def draft(self, context):
+        return [self.d.draft(self._ctx, self._stream.group).tokens]
+
+    def accept(self, context, new):
+        self._ctx.extend(new)
+
+    def stop(self):
+        pass
+
+    def finish(self, stream):
+        self.d.add_trajectory(stream.tokens, stream.group)
+        self._stream = self._ctx = None
+
+
+class ArcticMethod:
+    """arctic-inference's ``SuffixDecodingCache`` as vLLM's ``suffix`` method drives it: one
+    request per turn (``start_request`` with the prompt, responses appended, ``stop_request``);
+    responses stay in its global tree."""
+
+    def __init__(self, max_depth: int, budget: int, max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.name = "arctic"
+        self.cache = SuffixDecodingCache(max_tree_depth=max_depth, max_cached_requests=-1)
+        self.max_depth, self.budget = max_depth, budget
+        self.factor, self.min_prob = max_spec_factor, min_token_prob
+        self._rid, self._n = None, 0
+
+    def start(self, stream, prompt_end):
+        self._n += 1
+        self._rid = f"{stream.traj_id}#{self._n}"
+        self.cache.start_request(self._rid, np.asarray(stream.tokens[:prompt_end], dtype=np.int32))
+
+    def draft(self, context):
+        ctx = np.asarray(context[-self.max_depth:], dtype=np.int32)
+        d = self.cache.speculate(self._rid, ctx, max_spec_tokens=self.budget, max_spec_factor=self.factor,
+                                 min_token_prob=self.min_prob)
+        return [list(d.token_ids)]
+
+    def accept(self, context, new):
+        self.cache.add_active_response(self._rid, list(new))
+
+    def stop(self):
+        self.cache.stop_request(self._rid)
+
+    def finish(self, stream):
+        pass
+
+
+class SGLangNgramMethod:
+    """SGLang 0.5.17's ``NgramCorpus`` (its C++ trie, built on first use), fed as
+    ``NGRAMWorker`` feeds it: after each verification step the last ``max_trie_depth`` tokens of
+    the request are inserted (prompts are not), drafts are a BFS tree of ``budget + 1`` nodes (the
+    root is the last context token). ``external=True``: every completed trajectory is also loaded
+    as an external corpus (its suffix automaton gets ``budget // 2`` of the draft nodes)."""
+
+    def __init__(self, budget: int, max_trie_depth: int = 18, external: bool = False):
+        from .sglang_plugin import ngram_corpus_cls
+
+        NgramCorpus = ngram_corpus_cls()
+        self.name = "sglang_ngram_corpus" if external else "sglang_ngram"
+        self.n, self.depth, self.external = budget + 1, max_trie_depth, external
+        self.corpus = NgramCorpus(max_trie_depth=max_trie_depth, draft_token_num=self.n, max_bfs_breadth=10,
+                                  external_sam_budget=budget // 2 if external else 0)
+        self._rid, self._k = None, 0
+
+    def start(self, stream, prompt_end):
+        self._k += 1
+        self._rid = f"{stream.traj_id}#{self._k}"
+
+    def draft(self, context):
+        self.corpus.synchronize()
+        ids, mask = self.corpus.batch_get([self._rid], [list(context[-self.depth:])], [len(context)])
+        ids = [int(x) for x in ids]
+        mask = np.asarray(mask, dtype=bool).reshape(self.n, self.n)
+        return [[ids[j] for j in range(1, self.n) if mask[i, j]] for i in range(1, self.n)]
+
+    def accept(self, context, new):
+        self.corpus.batch_put([list(context[-self.depth:])])
+
+    def stop(self):
+        self.corpus.erase_match_state([self._rid])
+
+    def finish(self, stream):
+        if self.external:
+            self.corpus.synchronize()
+            n = self.corpus.load_external_corpus_named(stream.traj_id, [stream.tokens])
+            self.corpus.commit_external_corpus_load(stream.traj_id, n)
+
+
+# ------------------------------------------------------------------------------------ replay
+@dataclass
+class ReplayResult:
+    """Per method: ``steps`` (verifications), ``emitted`` model tokens, ``accept_len``
+    (emitted / steps), ``draft_us_mean``/``draft_us_median``/``draft_us_p99`` (microseconds per draft call),
+    ``update_s`` (seconds spent indexing), per-step ``accept_len_by_step``."""
+
+    method: str
+    steps: int = 0
+    emitted: int = 0
+    accept_len: float = 0.0
+    draft_us_mean: float = 0.0
+    draft_us_median: float = 0.0
+    draft_us_p99: float = 0.0
+    update_s: float = 0.0
+    accept_len_by_step: dict = field(default_factory=dict)
+
+
+def accepted(paths: list[list[int]], target: Sequence[int]) -> int:
+    """Longest prefix of ``target`` that one of the draft ``paths`` starts with."""
+    best = 0
+    for p in paths:
+        k = 0
+        for a, b in zip(p, target):
+            if a != b:
+                break
+            k += 1
+        best = max(best, k)
+    return best
+
+
+def replay(method: Method, streams: Sequence[Stream]) -> ReplayResult:
+    """Replay ``streams`` (in RL-step order) through ``method``; see the module docstring."""
+    res = ReplayResult(method.name)
+    lat: list[float] = []
+    upd = 0.0
+    by_step: dict[int, list[int]] = {}
+    for st in sorted(streams, key=lambda s: s.step):
+        toks = st.tokens
+        for a, b in st.turns():
+            t0 = time.perf_counter()
+            method.start(st, a)
+            upd += time.perf_counter() - t0
+            p = a
+            while p < b:
+                t0 = time.perf_counter_ns()
+                paths = method.draft(toks[:p])
+                lat.append((time.perf_counter_ns() - t0) / 1e3)
+                k = accepted(paths, toks[p:b])
+                n = min(k + 1, b - p)
+                t0 = time.perf_counter()
+                method.accept(toks[:p + n], toks[p:p + n])
+                upd += time.perf_counter() - t0
+                p += n
+                res.steps += 1
+                res.emitted += n
+                s = by_step.setdefault(st.step, [0, 0])
+                s[0] += 1
+                s[1] += n
+            method.stop()
+        t0 = time.perf_counter()
+        method.finish(st)
+        upd += time.perf_counter() - t0
+    res.accept_len = res.emitted / max(res.steps, 1)
+    res.draft_us_mean = float(np.mean(lat)) if lat else 0.0
+    res.draft_us_p99 = float(np.percentile(lat, 99)) if lat else 0.0
+    res.draft_us_median = float(np.median(lat)) if lat else 0.0
+    res.update_s = upd
+    res.accept_len_by_step = {k: v[1] / v[0] for k, v in sorted(by_step.items())}
+    return res

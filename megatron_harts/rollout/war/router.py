@@ -1,0 +1,39 @@
+"""sglang-router 0.3.2 as a process (the scheduling anchor): ``python -m
+sglang_router.launch_router --worker-urls ... --policy {cache_aware,round_robin,power_of_two}``.
+
+The router needs ``/health``, ``/server_info`` and ``/model_info`` from its workers at startup
+(observed with 0.3.2; the embedded server and SGLang serve all three) and forwards ``/generate``
+bodies (token ids included) to the worker its policy picks. The agent loop then sees one
+:class:`~megatron_harts.rollout.engines.HttpEngine` (the router's URL).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from ..engines.launch import _ServerProcess
+
+POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+
+
+class RouterServer(_ServerProcess):
+    """sglang-router in front of ``worker_urls`` with ``policy``; ``extra_args`` verbatim."""
+
+    kind = "sglang-router"
+
+    def __init__(self, worker_urls: Sequence[str], policy: str = "cache_aware", *, extra_args: Sequence[str] = (),
+                 **kw):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if not worker_urls:
+            raise ValueError("worker_urls must name at least one worker")
+        kw.setdefault("startup_timeout", 120.0)
+        kw.setdefault("grace", 5.0)
+        super().__init__(**kw)
+        self.worker_urls, self.policy = [str(u) for u in worker_urls], policy
+        self.extra_args = [str(a) for a in extra_args]
+
+    def command(self) -> list[str]:
+        return [self.python or sys.executable, "-m", "sglang_router.launch_router", "--host", self.host,
+                "--port", str(self.port), "--worker-urls", *self.worker_urls, "--policy", self.policy,
+                "--log-level", "warn", *self.extra_args]

@@ -1,0 +1,267 @@
+"""Global cache/progress/load-aware placement of agentic turns on engine replicas (WAR).
+
+:class:`WarScheduler` is the agent loop's ``pick_engine(episode, engines, in_flight) -> int``
+hook and, through :meth:`WarScheduler.wrap`, an :class:`~megatron_harts.rollout.types.Engine`
+wrapper per replica that (a) admits at most ``max_running`` turns at a time to its replica,
+the waiting ones ordered by trajectory progress, and (b) reports each finished turn back (its
+tokens enter the replica's prefix model, its ``cached_tokens`` the hit statistics).
+
+Per turn of a trajectory whose context has ``L`` tokens, replica ``r`` costs (token units)::
+
+    cost_r = prefill_weight * (L - cached_r)  +  load_weight * (1 + progress_weight * progress) * load_r
+
+``cached_r``: the longest prefix of the context that replica ``r`` holds according to its
+:class:`PrefixModel` (token blocks of ``block`` tokens keyed by the hash of the whole prefix,
+LRU-evicted beyond ``cache_tokens``: a radix cache evicts leaves first, and LRU does the same
+here because matching touches every ancestor block). ``load_r``: the work queued and running on
+``r``: for each turn in flight, its uncached prefill plus ``expected_decode`` tokens.
+``progress`` in ``[0, 1]``: the trajectory's turns so far over the most turns seen, so late,
+long trajectories (which set the step's makespan) weigh waiting more and move to an idle
+replica earlier; they are also admitted first (``max_running``). A trajectory's next turn
+returns to its replica by default because that replica holds its prefix (``cached_r = L -
+new tokens``).
+
+:class:`SpecSwitch` turns speculation on below a measured load (``crossover`` concurrent
+trajectories; on CPU a parameter, on the H200 the crossover of ``scripts/bench_war.py``).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..types import Engine, Generation, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    """``cache_tokens``: KV capacity of a replica (tokens) in the prefix model; ``block``: its
+    granularity; ``prefill_weight``/``load_weight``: cost of one uncached prompt token / one token
+    of queued work; ``expected_decode``: tokens a turn generates (for load); ``progress_weight``:
+    how much more a late trajectory weighs waiting; ``max_running``: turns admitted per replica
+    at once by :meth:`WarScheduler.wrap`'s gate (0: no gate)."""
+
+    cache_tokens: int = 400_000
+    block: int = 16
+    prefill_weight: float = 1.0
+    load_weight: float = 1.0
+    expected_decode: int = 128
+    progress_weight: float = 1.0
+    max_running: int = 0
+
+    def __post_init__(self):
+        if self.block < 1 or self.cache_tokens < self.block:
+            raise ValueError(f"SchedulerConfig: block ({self.block}) must be >= 1 and <= cache_tokens "
+                             f"({self.cache_tokens})")
+        if self.max_running < 0:
+            raise ValueError(f"SchedulerConfig.max_running must be >= 0, got {self.max_running}")
+
+
+class PrefixModel:
+    """Token-level model of one replica's prefix cache: full blocks of ``block`` tokens keyed by
+    the hash chain of the prefix ending at them, LRU beyond ``capacity`` tokens."""
+
+    def __init__(self, capacity: int, block: int = 16):
+        self.capacity_blocks, self.block = max(1, capacity // block), block
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def block_hashes(self, tokens: Sequence[int], start: list[int] | None = None) -> list[int]:
+        """Hash chain of the full blocks of ``tokens`` (``start``: the chain of a prefix of them)."""
+        out = list(start or [])
+        b = self.block
+        h = out[-1] if out else 0
+        for i in range(len(out) * b, len(tokens) - b + 1, b):
+            h = hash((h, tuple(tokens[i:i + b])))
+            out.append(h)
+        return out
+
+    def match(self, hashes: Sequence[int], touch: bool = True) -> int:
+        """Cached prefix length (tokens) of a context with these block hashes."""
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            if touch:
+                self._lru.move_to_end(h)
+            n += 1
+        return n * self.block
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._lru[h] = None
+            self._lru.move_to_end(h)
+        while len(self._lru) > self.capacity_blocks:
+            self._lru.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._lru) * self.block
+
+
+@dataclass
+class _Traj:
+    replica: int | None = None
+    turns: int = 0
+    hashes: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class WarScheduler:
+    """See the module docstring. Use as ``AgentLoop(scheduler.wrap(engines), ...,
+    pick_engine=scheduler)``."""
+
+    def __init__(self, num_replicas: int, config: SchedulerConfig | None = None):
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.cfg = config or SchedulerConfig()
+        self.n = num_replicas
+        self.models = [PrefixModel(self.cfg.cache_tokens, self.cfg.block) for _ in range(num_replicas)]
+        self.load = [0.0] * num_replicas            # tokens of work in flight per replica
+        self._work: dict[str, tuple[int, float]] = {}     # rid -> (replica, work)
+        self._traj: dict[str, _Traj] = {}
+        self._max_turns = 1
+        self._lock = threading.Lock()
+        self.stats = {"turns": 0, "prompt_tokens": 0, "predicted_cached": 0, "reported_cached": 0, "moves": 0,
+                      "started_prompt": 0, "started_cached": 0}
+
+    # -- the pick_engine hook ----------------------------------------------------------------------
+    def __call__(self, episode, engines: Sequence[Engine], in_flight: Sequence[int]) -> int:
+        return self.place(episode.traj_id, episode.tokens, len(episode.turns), in_flight)
+
+    def place(self, traj_id: str, tokens: Sequence[int], turns: int, in_flight: Sequence[int] | None = None) -> int:
+        """The replica for the next turn of ``traj_id`` (context ``tokens``, ``turns`` done).
+        ``in_flight``: the agent loop's per-engine counts (engines it must avoid carry +2**20)."""
+        cfg = self.cfg
+        with self._lock:
+            tr = self._traj.get(traj_id)
+            if tr is None:                      # a fork continues its parent's prefix
+                tr = self._traj[traj_id] = _Traj()
+            tr.hashes = self.models[0].block_hashes(tokens, tr.hashes if len(tokens) >= tr.length else None)
+            tr.length, tr.turns = len(tokens), turns
+            self._max_turns = max(self._max_turns, turns + 1)
+            progress = turns / self._max_turns
+            best, best_cost, cached_best = 0, float("inf"), 0
+            for r in range(self.n):
+                if in_flight is not None and in_flight[r] >= 1 << 20:
+                    continue                     # down or already tried (the loop's marker)
+                cached = self.models[r].match(tr.hashes, touch=False)
+                cost = cfg.prefill_weight * (len(tokens) - cached) + \
+                    cfg.load_weight * (1.0 + cfg.progress_weight * progress) * self.load[r]
+                if cost < best_cost - 1e-9 or (abs(cost - best_cost) <= 1e-9 and r == tr.replica):
+                    best, best_cost, cached_best = r, cost, cached
+            if best_cost == float("inf"):
+                best = min(range(self.n), key=lambda r: in_flight[r] if in_flight is not None else 0)
+                cached_best = self.models[best].match(tr.hashes, touch=False)
+            if tr.replica is not None and tr.replica != best:
+                self.stats["moves"] += 1
+            tr.replica = best
+            self.stats["turns"] += 1
+            self.stats["prompt_tokens"] += len(tokens)
+            self.stats["predicted_cached"] += cached_best
+            self.models[best].match(tr.hashes)           # touch: it is about to be used
+        return best
+
+    def priority(self, traj_id: str) -> tuple[int, int]:
+        """Admission order key (smaller first): more turns done, then longer context, first."""
+        tr = self._traj.get(traj_id)
+        return (-tr.turns, -tr.length) if tr is not None else (0, 0)
+
+    # -- bookkeeping from the engine wrappers --------------------------------------------------------
+    def started(self, replica: int, rid: str, tokens: Sequence[int], max_new: int) -> None:
+        with self._lock:
+            hashes = self.models[replica].block_hashes(tokens)
+            cached = self.models[replica].match(hashes, touch=False)
+            work = len(tokens) - cached + min(max_new, self.cfg.expected_decode)
+            self.stats["started_prompt"] += len(tokens)
+            self.stats["started_cached"] += cached          # the modelled prefix-cache hits
+            self._work[rid] = (replica, work)
+            self.load[replica] += work
+            self.models[replica].insert(hashes)          # the prompt is cached once prefilled
+
+    def finished(self, replica: int, rid: str, tokens: Sequence[int], gen: Generation | None) -> None:
+        with self._lock:
+            r, work = self._work.pop(rid, (replica, 0.0))
+            self.load[r] = max(0.0, self.load[r] - work)
+            if gen is not None:
+                self.stats["reported_cached"] += int(gen.cached_tokens)
+                self.models[r].insert(self.models[r].block_hashes(list(tokens) + list(gen.output_ids)))
+
+    def cache_hit(self) -> float:
+        """Modelled prefix-cache hit rate of the turns started so far (cached / prompt tokens)."""
+        return self.stats["started_cached"] / max(1, self.stats["started_prompt"])
+
+    def wrap(self, engines: Sequence[Engine]) -> list["ScheduledEngine"]:
+        if len(engines) != self.n:
+            raise ValueError(f"the scheduler models {self.n} replicas, got {len(engines)} engines")
+        return [ScheduledEngine(e, i, self) for i, e in enumerate(engines)]
+
+
+def traj_of(rid: str | None) -> str:
+    """The agent loop's rid ``traj_id#turn-n`` -> ``traj_id``."""
+    return (rid or "").split("#", 1)[0]
+
+
+class ScheduledEngine:
+    """An :class:`Engine` that reports to a :class:`WarScheduler` and admits at most
+    ``max_running`` turns to its replica, the waiting ones by progress (most advanced first)."""
+
+    def __init__(self, engine: Engine, index: int, scheduler: WarScheduler):
+        self.engine, self.index, self.sched = engine, index, scheduler
+        self.name = getattr(engine, "name", f"replica{index}")
+        self._cv = threading.Condition()
+        self._running = 0
+        self._waiting: list[tuple[Any, int]] = []
+        self._seq = itertools.count()
+
+    def __getattr__(self, item):             # everything else is the engine's
+        return getattr(self.engine, item)
+
+    def _admit(self, key) -> None:
+        limit = self.sched.cfg.max_running
+        if not limit:
+            return
+        with self._cv:
+            me = (key, next(self._seq))
+            heapq.heappush(self._waiting, me)
+            while self._running >= limit or self._waiting[0] != me:
+                self._cv.wait()
+            heapq.heappop(self._waiting)
+            self._running += 1
+            self._cv.notify_all()
+
+    def _release(self) -> None:
+        if not self.sched.cfg.max_running:
+            return
+        with self._cv:
+            self._running -= 1
+            self._cv.notify_all()
+
+    def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None) -> Generation:
+        self._admit(self.sched.priority(traj_of(rid)))
+        key = rid or f"anon-{next(self._seq)}"
+        self.sched.started(self.index, key, input_ids, sampling.max_new_tokens)
+        gen = None
+        try:
+            gen = self.engine.generate(input_ids, sampling, rid=rid)
+            return gen
+        finally:
+            self.sched.finished(self.index, key, input_ids, gen)
+            self._release()
+
+
+class SpecSwitch:
+    """Speculation on while the concurrent trajectories are at most ``crossover`` (measured on
+    the target hardware; a parameter on CPU)."""
+
+    def __init__(self, crossover: int):
+        if crossover < 0:
+            raise ValueError(f"crossover must be >= 0, got {crossover}")
+        self.crossover = crossover
+
+    def speculate(self, concurrent: int) -> bool:
+        return concurrent <= self.crossover

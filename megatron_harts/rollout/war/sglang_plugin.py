@@ -1,0 +1,320 @@
+"""SGLang plugin: ``HARTS_SUFFIX``, suffix speculation over completed trajectories.
+
+Registration: SGLang (>= 0.5.17) loads the entry points of group ``sglang.srt.plugins`` in every
+process (``sglang.srt.plugins.load_plugins``); this package declares
+``harts_suffix = megatron_harts.rollout.war.sglang_plugin:register``, and :func:`register` calls
+``SpeculativeAlgorithm.register("HARTS_SUFFIX", spec_class=SuffixSpecAlgo)``. Start a server with
+``--speculative-algorithm HARTS_SUFFIX --speculative-num-draft-tokens 17 --disable-overlap-schedule``
+(plus ``HARTS_SUFFIX_CORPUS=/path/feed.jsonl`` in its environment).
+
+Algorithm: ``SuffixSpecAlgo.is_ngram()`` is true, so the scheduler, memory planning and the
+verification path are SGLang's NGRAM ones (a draft tree of ``speculative_num_draft_tokens``
+nodes, the root being the last verified token; greedy and sampled tree verification in
+``eagle_sample``); the worker is ``NGRAMWorker`` with its ``ngram_corpus`` replaced by
+:class:`SuffixCorpus` (a :class:`~.suffix.SuffixDrafter`; the draft is a chain, the unused
+nodes are siblings under the root) and ``_prepare_draft_tokens`` passing each request's new
+tokens so its own context is indexed whole (SGLang's n-gram corpus only sees the last
+``max_trie_depth`` tokens).
+
+Feed: completed trajectories reach the running server through a JSONL file
+(:class:`TrajectoryFeed` appends ``{"group": ..., "tokens": [...]}`` lines; the corpus reads new
+lines at most every ``poll_s``). A request's group is the prefix of its ``rid`` before the first
+``/`` (the agent loop's rids are ``group/path#turn-n``).
+
+On CPU (CI): the registration through SGLang's real entry-point loader, the corpus' draft/mask
+format against SGLang's own mask reader, and the feed are tested; the worker class itself needs
+``sgl_kernel`` (CUDA) and runs only on the GPU.
+
+SGLang is not a dependency of the project's venv (0.5.17 pins another torch):
+:func:`sglang_site` installs ``sglang==0.5.17`` without dependencies, plus the few pure-Python
+modules its import needs, into a separate directory that is put on ``sys.path``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from .suffix import ContextIndex, DrafterConfig, SuffixDrafter
+
+log = logging.getLogger(__name__)
+
+ALGO_NAME = "HARTS_SUFFIX"
+SGLANG_VERSION = "0.5.17"
+# what ``import sglang.srt.speculative.spec_info`` / ``cpp_ngram.ngram_corpus`` need beyond the venv
+# (the venv has torch, numpy, transformers, requests, pydantic, orjson, fastapi, uvicorn)
+SGLANG_IMPORT_DEPS = ("apache-tvm-ffi==0.1.11", "psutil", "pybase64", "torchvision", "IPython", "traitlets",
+                      "msgspec")
+CORPUS_ENV = "HARTS_SUFFIX_CORPUS"
+SITE_ENV = "HARTS_SGLANG_SITE"
+
+
+def sglang_site(path: str | os.PathLike | None = None, install: bool = True) -> Path:
+    """A directory holding ``sglang==0.5.17`` (no dependencies) and its import-time modules, put
+    first on ``sys.path``. ``path``: default ``$HARTS_SGLANG_SITE`` or
+    ``~/.cache/megatron_harts/sglang-0.5.17``. Installs with pip (``--no-deps --target``, so the
+    venv's torch is untouched) when missing and ``install``; raises ``RuntimeError`` otherwise."""
+    site = Path(path or os.environ.get(SITE_ENV) or Path.home() / ".cache" / "megatron_harts" /
+                f"sglang-{SGLANG_VERSION}").expanduser()
+    marker = site / ".harts_complete"
+    if not marker.is_file():
+        if not install:
+            raise RuntimeError(f"no SGLang {SGLANG_VERSION} at {site}; call sglang_site(install=True)")
+        site.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(site),
+               f"sglang=={SGLANG_VERSION}", *SGLANG_IMPORT_DEPS]
+        log.info("installing SGLang %s into %s: %s", SGLANG_VERSION, site, " ".join(cmd))
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"pip could not install SGLang {SGLANG_VERSION} into {site}: {r.stderr[-2000:]}")
+        marker.write_text(" ".join(cmd) + "\n")
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    return site
+
+
+ENTRY_POINT = "harts_suffix = megatron_harts.rollout.war.sglang_plugin:register"
+
+
+def write_plugin_dist(directory: str | os.PathLike) -> Path:
+    """A minimal installed-distribution record declaring our ``sglang.srt.plugins`` entry point
+    in ``directory`` (put it on the server's ``PYTHONPATH``), for a checkout that is not
+    ``pip install``-ed (the installed package declares it in setup.py)."""
+    dist = Path(directory) / "harts_war_plugin-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: harts-war-plugin\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{ENTRY_POINT}\n")
+    return Path(directory)
+
+
+def ngram_corpus_cls():
+    """SGLang's ``NgramCorpus`` class (its C++ trie + suffix automaton, JIT-built by tvm-ffi on
+    first use). SGLang 0.5.17's ``result.h`` uses ``size_t`` without ``<cstddef>``, which g++ 12
+    rejects; the module is therefore built once here with ``-include cstddef`` (same module name
+    and cache directory, so SGLang's own loader then finds the built library)."""
+    from sglang.kernels.jit.utils import load_jit
+    from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+
+    files = [f"ngram_corpus/{f}" for f in ("result.cpp", "trie.cpp", "suffix_automaton.cpp", "ngram.cpp",
+                                            "ngram_corpus_ffi.cpp")]
+    load_jit("ngram_corpus", cpp_files=files, header_only=False, extra_cflags=["-include", "cstddef"])
+    return NgramCorpus
+
+
+def group_of(rid: str) -> str | None:
+    """The group of an agent-loop request id (``group/path#turn-n`` -> ``group``)."""
+    return rid.split("/", 1)[0] if "/" in rid else None
+
+
+class TrajectoryFeed:
+    """The trainer/loop side of the feed: append completed trajectories to the JSONL file that
+    :class:`SuffixCorpus` watches (one line each, written whole under a lock)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def add(self, tokens: Sequence[int], group: str | None = None) -> None:
+        line = json.dumps({"group": group, "tokens": [int(t) for t in tokens]}) + "\n"
+        with self._lock, open(self.path, "a") as f:
+            f.write(line)
+
+    def add_trajectories(self, trajectories) -> int:
+        """``megatron_harts.tree.Trajectory`` records (``tokens``, ``group_id``); returns the count."""
+        n = 0
+        for t in trajectories:
+            self.add(list(np.asarray(t.tokens).tolist()), getattr(t, "group_id", None))
+            n += 1
+        return n
+
+
+class SuffixCorpus:
+    """Drop-in for SGLang's ``NgramCorpus`` inside ``NGRAMWorker``, drafting with
+    :class:`SuffixDrafter`.
+
+    ``batch_get(req_ids, batch_tokens, total_lens)``: ``batch_tokens[i]`` ends at context length
+    ``total_lens[i]`` and holds at least the tokens not seen yet for that request (all of them
+    the first time); returns ``(ids [bs * n] int64, mask [bs * n * n] bool)`` in NGRAM's layout:
+    node 0 is the last context token, ``mask[i, j]`` = node ``j`` is node ``i`` or its ancestor.
+    ``feed``: JSONL path of completed trajectories (``None``: ``$HARTS_SUFFIX_CORPUS``).
+    """
+
+    def __init__(self, draft_token_num: int, config: DrafterConfig | None = None, feed: str | None = None,
+                 poll_s: float = 0.5):
+        if draft_token_num < 2:
+            raise ValueError(f"draft_token_num must be >= 2 (root + drafts), got {draft_token_num}")
+        self.n = int(draft_token_num)
+        cfg = config or DrafterConfig(budget=self.n - 1)
+        self.drafter = SuffixDrafter(cfg)
+        self.ctx: dict[str, ContextIndex] = {}
+        self.feed = feed if feed is not None else os.environ.get(CORPUS_ENV)
+        self.poll_s, self._pos, self._last_poll = poll_s, 0, 0.0
+        self.stats = {"calls": 0, "drafted": 0, "fed": 0}
+
+    # -- NgramCorpus interface used by NGRAMWorker ------------------------------------------------
+    def synchronize(self) -> None:
+        self.poll(force=False)
+
+    def batch_put(self, batch_tokens) -> None:
+        """NGRAM's online insertion; the suffix corpus indexes requests in ``batch_get``."""
+
+    def reset(self) -> None:
+        self.ctx.clear()
+
+    def erase_match_state(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self.ctx.pop(rid, None)
+
+    def known(self, rid: str) -> int:
+        c = self.ctx.get(rid)
+        return len(c.tokens) if c is not None else 0
+
+    def batch_get(self, req_ids: list[str], batch_tokens: list[list[int]], total_lens: list[int]):
+        n = self.n
+        ids = np.zeros((len(req_ids), n), dtype=np.int64)
+        mask = np.zeros((len(req_ids), n, n), dtype=bool)
+        for b, (rid, toks, total) in enumerate(zip(req_ids, batch_tokens, total_lens)):
+            c = self.ctx.get(rid)
+            if c is None:
+                if len(toks) < total:
+                    raise ValueError(f"request {rid}: first batch_get needs its whole context "
+                                     f"({total} tokens), got {len(toks)}")
+                c = self.ctx[rid] = self.drafter.start(toks[:-1] if toks else [])
+                c.extend(toks[-1:])
+            else:
+                new = total - len(c.tokens)
+                if new < 0 or new > len(toks):
+                    raise ValueError(f"request {rid}: context went from {len(c.tokens)} to {total} tokens "
+                                     f"but only {len(toks)} were passed")
+                if new:
+                    c.extend(toks[len(toks) - new:])
+            d = self.drafter.draft(c, group_of(rid), budget=n - 1)
+            k = len(d.tokens)
+            ids[b, 0] = c.tokens[-1] if c.tokens else 0
+            ids[b, 1:k + 1] = d.tokens
+            for i in range(k + 1):               # the chain: node i's ancestors are 0..i
+                mask[b, i, :i + 1] = True
+            for i in range(k + 1, n):            # unused nodes: leaves under the root
+                mask[b, i, 0] = mask[b, i, i] = True
+            self.stats["calls"] += 1
+            self.stats["drafted"] += k
+        return ids.reshape(-1), mask.reshape(-1)
+
+    # external corpus API of NGRAMWorker (its HTTP endpoint is NGRAM-only; these index the same way)
+    def load_external_corpus_named(self, corpus_id: str, chunks) -> int:
+        n = 0
+        for ch in chunks:
+            self.drafter.add_trajectory(ch, None)
+            n += len(ch)
+        return n
+
+    def commit_external_corpus_load(self, corpus_id: str, loaded: int) -> None:
+        pass
+
+    # -- the feed ----------------------------------------------------------------------------------
+    def poll(self, force: bool = True) -> int:
+        """Index the trajectories appended to the feed since the last poll; returns how many."""
+        if not self.feed:
+            return 0
+        now = time.monotonic()
+        if not force and now - self._last_poll < self.poll_s:
+            return 0
+        self._last_poll = now
+        try:
+            with open(self.feed, "rb") as f:
+                f.seek(self._pos)
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        end = data.rfind(b"\n") + 1          # a line being written is read next time
+        count = 0
+        for line in data[:end].splitlines():
+            if line.strip():
+                obj = json.loads(line)
+                self.drafter.add_trajectory(obj["tokens"], obj.get("group"))
+                count += 1
+        self._pos += end
+        self.stats["fed"] += count
+        return count
+
+
+def _spec_class():
+    from sglang.srt.speculative.spec_info import CustomSpecAlgo
+
+    class SuffixSpecAlgo(CustomSpecAlgo):
+        """Dispatches as NGRAM everywhere in SGLang (verify path, memory, no draft KV)."""
+
+        def is_ngram(self) -> bool:
+            return True
+
+        def has_draft_kv(self) -> bool:
+            return False
+
+        def handle_server_args(self, server_args) -> None:
+            # NGRAM's own defaults and checks (max running requests, top-k = BFS breadth, steps)
+            from sglang.srt.arg_groups.speculative_hook import _handle_ngram
+
+            _handle_ngram(server_args)
+
+    return SuffixSpecAlgo
+
+
+def suffix_worker_class():
+    """``NGRAMWorker`` with :class:`SuffixCorpus` (imports ``sgl_kernel``: GPU machines only)."""
+    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+
+    class HartsSuffixWorker(NGRAMWorker):
+        def __init__(self, server_args, *args, **kwargs):
+            super().__init__(server_args, *args, **kwargs)
+            self.ngram_corpus = SuffixCorpus(server_args.speculative_num_draft_tokens)
+            self._suffix_depth = self.ngram_corpus.drafter.cfg.max_depth
+
+        def _prepare_draft_tokens(self, batch):
+            bs, stride = len(batch.reqs), self.draft_token_num
+            prev_ids, prev_lens = batch.spec_info.accept_tokens, batch.spec_info.accept_lens
+            if not prev_ids.is_cpu:
+                prev_ids, prev_lens = prev_ids.cpu(), prev_lens.cpu()
+            self.prev_token_ids, self.prev_accept_lens = prev_ids.tolist(), prev_lens.tolist()
+            self.ngram_corpus.synchronize()
+            use_prev = self.enable_overlap and not batch.grammar_needs_sync()
+            rids, toks, totals = [], [], []
+            for i, req in enumerate(batch.reqs):
+                prev = self.prev_token_ids[i * stride: i * stride + self.prev_accept_lens[i]] if use_prev else []
+                total = len(req.origin_input_ids) + len(req.output_ids) + len(prev)
+                need = max(self._suffix_depth, total - self.ngram_corpus.known(req.rid))
+                toks.append(self._efficient_concat_last_n(list(req.origin_input_ids),
+                                                          list(req.output_ids[-need:]) + prev, need))
+                rids.append(req.rid)
+                totals.append(total)
+            drafts, mask = self.ngram_corpus.batch_get(rids, toks, totals)
+            assert len(drafts) == bs * self.draft_token_num
+            return drafts, mask
+
+    return HartsSuffixWorker
+
+
+_registered = False
+
+
+def register() -> None:
+    """Entry point of group ``sglang.srt.plugins``: registers ``HARTS_SUFFIX`` (idempotent)."""
+    global _registered
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    if _registered:
+        return
+
+    @SpeculativeAlgorithm.register(ALGO_NAME, supports_overlap=True, spec_class=_spec_class())
+    def _factory(server_args):
+        return suffix_worker_class()
+
+    _registered = True
+    log.info("registered speculative algorithm %s", ALGO_NAME)

@@ -1,0 +1,352 @@
+"""Model-free suffix drafter for speculative decoding over completed trajectories (SuffixDecoding).
+
+Index: a depth-bounded suffix trie with occurrence counts (:class:`SuffixTrie`). Every substring
+of an indexed token sequence of length ``<= max_depth`` is one path from the root; a node's
+``count`` is the number of occurrences of its string in everything indexed, so the empirical
+probability that string ``s`` continues with token ``c`` is ``count(s + c) / count(s)``.
+Adding a sequence of ``n`` tokens costs ``O(n * max_depth)`` dictionary operations; removing it
+(FIFO eviction under a token budget) costs the same and restores the exact trie that was there
+without it.
+
+:class:`SuffixDrafter` keeps one trie per group (a task's earlier samples: this step's finished
+ones and earlier steps'), one global trie over all groups, and for each request a streaming trie
+of its own context (:class:`ContextIndex`: the prompt, then every accepted token). A draft:
+
+1. *match*: the longest suffix of the context (at most ``max_depth - budget`` tokens, so that
+   the draft fits below the depth bound) that is a path of the trie with a continuation, found
+   by binary search on its length (monotone: a suffix of a continued string is continued at the
+   same place) -> ``O(max_depth log max_depth)`` lookups;
+2. *expand* greedily along the most frequent child while the product of the continuation
+   probabilities stays ``>= min_token_prob``, up to ``min(budget, floor(max_spec_factor * m +
+   max_spec_offset))`` tokens for a match of length ``m`` (a long match earns a long draft) and
+   never below the trie's depth;
+3. *choose* among the candidates of the request's own context, its group and the global trie the
+   one with the largest score = sum of the cumulative probabilities (the expected number of
+   accepted tokens if the estimates were right); ties go to the more local source.
+
+Every draft is a continuation seen in the index: ``context[-match_len:] + draft`` is a substring
+of one indexed sequence (or of the context itself) -- tested against a brute-force reference.
+Units: tokens are ints, latencies seconds.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+log = logging.getLogger(__name__)
+_VERSIONS = itertools.count(1)      # trie versions, unique across tries
+
+
+@dataclass
+class DrafterConfig:
+    """``max_depth``: longest indexed substring (tokens); ``budget``: most draft tokens per call;
+    ``max_spec_factor``/``max_spec_offset``: draft length cap ``factor * match_len + offset``;
+    ``min_token_prob``: stop expanding below this cumulative probability; ``min_match``: shortest
+    context match that may draft; ``max_indexed_tokens``: FIFO eviction of whole trajectories
+    beyond this many indexed tokens (0: no limit); ``use_global``: also draft from other groups."""
+
+    max_depth: int = 64
+    budget: int = 16
+    max_spec_factor: float = 1.0
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1
+    min_match: int = 1
+    max_indexed_tokens: int = 0
+    use_global: bool = True
+
+    def __post_init__(self):
+        for name in ("max_depth", "budget", "min_match"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DrafterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"DrafterConfig.min_token_prob must be in [0, 1], got {self.min_token_prob}")
+        if self.max_indexed_tokens < 0:
+            raise ValueError(f"DrafterConfig.max_indexed_tokens must be >= 0, got {self.max_indexed_tokens}")
+
+
+@dataclass
+class Draft:
+    """A proposal: ``tokens`` ``[k]``, ``probs`` ``[k]`` (cumulative estimated probability that the
+    first ``i+1`` tokens are accepted), ``match_len`` (context tokens matched), ``score``
+    (``sum(probs)``), ``source`` (``context``, ``group`` or ``global``; ``""`` when empty)."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    match_len: int = 0
+    score: float = 0.0
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class SuffixTrie:
+    """Suffix trie of bounded depth with occurrence counts; node 0 is the root.
+
+    ``children[v]``: token -> child node; ``count[v]``: occurrences of node ``v``'s string
+    (the root counts indexed tokens). Freed nodes are recycled.
+    """
+
+    def __init__(self, max_depth: int = 64):
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = int(max_depth)
+        self.children: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+        self._free: list[int] = []
+        self.version = next(_VERSIONS)   # renewed by every change (invalidates cached match states)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.count) - len(self._free)
+
+    def _child(self, v: int, t: int) -> int:
+        c = self.children[v].get(t)
+        if c is None:
+            if self._free:
+                c = self._free.pop()
+                self.children[c], self.count[c] = {}, 0
+            else:
+                c = len(self.count)
+                self.children.append({})
+                self.count.append(0)
+            self.children[v][t] = c
+        return c
+
+    def extend(self, tokens: Sequence[int], frontier: list[int] | None = None) -> list[int]:
+        """Index ``tokens`` as the continuation of a stream whose current ``frontier`` (the nodes of
+        its suffixes of length 1, 2, ... ending at its last token; ``None``/empty: a new stream) is
+        given; returns the new frontier. ``O(len(tokens) * max_depth)``."""
+        front = list(frontier or [])
+        self.version = next(_VERSIONS)
+        d, children, count, free = self.max_depth, self.children, self.count, self._free
+        for t in tokens:
+            t = int(t)
+            count[0] += 1
+            new = []
+            for v in [0, *front[:d - 1]]:           # inlined _child: this loop is the indexing cost
+                ch = children[v]
+                c = ch.get(t)
+                if c is None:
+                    if free:
+                        c = free.pop()
+                        children[c], count[c] = {}, 0
+                    else:
+                        c = len(count)
+                        children.append({})
+                        count.append(0)
+                    ch[t] = c
+                count[c] += 1
+                new.append(c)
+            front = new
+        return front
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Index every substring of ``tokens`` of length ``<= max_depth``."""
+        self.extend(tokens)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Undo :meth:`add` of the same ``tokens`` (nodes whose count drops to 0 are freed)."""
+        d, children, count = self.max_depth, self.children, self.count
+        self.version = next(_VERSIONS)
+        front: list[int] = []          # node of each suffix ending at the previous token
+        for t in tokens:
+            t = int(t)
+            count[0] -= 1
+            parents = [0] + front[:d - 1]
+            new = []
+            for p in parents:
+                c = children[p].get(t)
+                if c is None:
+                    raise ValueError("remove(): these tokens were not added to this trie")
+                new.append(c)
+            for p, c in zip(parents, new):
+                count[c] -= 1
+                if count[c] == 0:       # count(child) <= count(parent): its subtree empties too
+                    del children[p][t]
+                    self._free.append(c)
+            front = new                 # freed ids keep their child maps until reused
+
+    def walk(self, tokens: Sequence[int]) -> int:
+        """The node of string ``tokens`` (-1 if absent or longer than ``max_depth``)."""
+        if len(tokens) > self.max_depth:
+            return -1
+        v, children = 0, self.children
+        for t in tokens:
+            v = children[v].get(int(t), -1)
+            if v < 0:
+                return -1
+        return v
+
+    def longest_match(self, context: Sequence[int], max_len: int) -> tuple[int, int]:
+        """``(m, node)``: the longest suffix ``context[-m:]`` (``m <= max_len``) that is a path
+        with at least one continuation (a child), by binary search on ``m``: the property is
+        monotone (a suffix of a continued string is continued at the same place); ``(0, 0)`` if
+        none."""
+        hi = min(len(context), max_len, self.max_depth - 1)
+        lo, node = 0, 0
+        if hi <= 0 or not self.children[0]:
+            return 0, 0
+        n = len(context)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            v = self.walk(context[n - mid:])
+            if v >= 0 and self.children[v]:
+                lo, node = mid, v
+            else:
+                hi = mid - 1
+        return lo, node
+
+    def expand(self, node: int, depth: int, max_tokens: int, min_prob: float) -> tuple[list[int], list[float]]:
+        """Greedy most-frequent-child path from ``node`` (at ``depth``): tokens and cumulative
+        probabilities, stopping at ``max_tokens``, the trie's depth, or a cumulative probability
+        below ``min_prob``. Ties between children go to the smaller token id."""
+        toks: list[int] = []
+        probs: list[float] = []
+        p = 1.0
+        children, count = self.children, self.count
+        while len(toks) < max_tokens and depth < self.max_depth:
+            ch = children[node]
+            if not ch:
+                break
+            best_t, best_c = None, -1
+            for t, c in ch.items():
+                n = count[c]
+                if n > best_c or (n == best_c and t < best_t):
+                    best_t, best_c = t, n
+            q = p * best_c / count[node]
+            if q < min_prob:
+                break
+            p = q
+            node, depth = ch[best_t], depth + 1
+            toks.append(best_t)
+            probs.append(p)
+        return toks, probs
+
+    def match_from(self, context: Sequence[int], max_len: int, state: list | None) -> tuple[int, int]:
+        """:meth:`longest_match`, reusing ``state`` = ``[version, context length, m, node,
+        max_len]`` of an earlier call on a prefix of the same context (updated in place). If the
+        trie and ``max_len`` are unchanged and the old match extends by the ``j`` new tokens to a continued node of length
+        ``<= max_len``, that is the longest match (a longer one would end in a match longer than
+        ``m`` before the new tokens); otherwise a fresh binary search."""
+        n = len(context)
+        if state is not None and state[0] == self.version and state[4] == max_len and 0 <= n - state[1] \
+                and state[2] > 0 and state[2] + n - state[1] <= min(max_len, self.max_depth - 1):
+            v, children = state[3], self.children
+            for t in context[state[1]:]:
+                v = children[v].get(int(t), -1)
+                if v < 0:
+                    break
+            if v >= 0 and children[v]:
+                m = state[2] + n - state[1]
+                state[1:4] = [n, m, v]
+                return m, v
+        m, v = self.longest_match(context, max_len)
+        if state is not None:
+            state[:] = [self.version, n, m, v, max_len]
+        return m, v
+
+    def draft(self, context: Sequence[int], cfg: DrafterConfig, budget: int | None = None,
+              source: str = "", state: list | None = None) -> Draft:
+        """The draft of this trie alone for ``context`` (see the module docstring); ``state``:
+        a per-request match cache (:meth:`match_from`)."""
+        budget = cfg.budget if budget is None else budget
+        # leave room for the draft below the depth bound
+        m, node = self.match_from(context, max(1, self.max_depth - budget), state)
+        if m < cfg.min_match:
+            return Draft()
+        cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
+        if cap <= 0:
+            return Draft()
+        toks, probs = self.expand(node, m, cap, cfg.min_token_prob)
+        return Draft(toks, probs, m, float(sum(probs)), source if toks else "")
+
+
+class ContextIndex:
+    """The streaming suffix trie of one request's own context (prompt, then accepted tokens).
+
+    ``extend(tokens)`` appends; ``tokens`` is the full context so far (the drafter matches its
+    tail)."""
+
+    def __init__(self, max_depth: int, prompt: Sequence[int] = ()):
+        self.trie = SuffixTrie(max_depth)
+        self.tokens: list[int] = []
+        self._front: list[int] = []
+        self.match_state: dict[int, list] = {}        # id(trie) -> its match_from state
+        self.extend(prompt)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        toks = [int(t) for t in tokens]
+        self._front = self.trie.extend(toks, self._front)
+        self.tokens += toks
+
+
+class SuffixDrafter:
+    """Drafts from completed trajectories (per group and global) and the request's context.
+
+    ``add_trajectory(tokens, group)`` indexes a finished trajectory (all its tokens: prompt,
+    model turns, observations); ``start(prompt)`` returns a :class:`ContextIndex` for one request,
+    ``draft(ctx, group)`` proposes the continuation of ``ctx.tokens``. Not thread-safe: guard it
+    with a lock when shared (the engine's scheduler is one thread).
+    """
+
+    def __init__(self, config: DrafterConfig | None = None):
+        self.cfg = config or DrafterConfig()
+        self.groups: dict[Hashable, SuffixTrie] = {}
+        self.glob = SuffixTrie(self.cfg.max_depth)
+        self._fifo: deque[tuple[Hashable, tuple[int, ...]]] = deque()
+        self.indexed_tokens = 0
+
+    def add_trajectory(self, tokens: Sequence[int], group: Hashable = None) -> None:
+        """Index a completed trajectory under ``group`` (``None``: global only); evicts the oldest
+        trajectories beyond ``max_indexed_tokens``."""
+        toks = tuple(int(t) for t in tokens)
+        if not toks:
+            return
+        if group is not None:
+            self.groups.setdefault(group, SuffixTrie(self.cfg.max_depth)).add(toks)
+        if self.cfg.use_global or group is None:
+            self.glob.add(toks)
+        self._fifo.append((group, toks))
+        self.indexed_tokens += len(toks)
+        lim = self.cfg.max_indexed_tokens
+        while lim and self.indexed_tokens > lim and len(self._fifo) > 1:
+            self._evict()
+
+    def _evict(self) -> None:
+        g, toks = self._fifo.popleft()
+        if g is not None:
+            trie = self.groups[g]
+            trie.remove(toks)
+            if trie.count[0] == 0:
+                del self.groups[g]
+        if self.cfg.use_global or g is None:
+            self.glob.remove(toks)
+        self.indexed_tokens -= len(toks)
+
+    def start(self, prompt: Sequence[int] = ()) -> ContextIndex:
+        return ContextIndex(self.cfg.max_depth, prompt)
+
+    def draft(self, ctx: ContextIndex | Sequence[int], group: Hashable = None, budget: int | None = None) -> Draft:
+        """Best draft for the continuation of the context (``ctx``: a :class:`ContextIndex`, or a
+        plain token list, then only the trajectory index is used)."""
+        if isinstance(ctx, ContextIndex):
+            tokens, sources = ctx.tokens, [(ctx.trie, "context")]
+        else:
+            tokens, sources = list(ctx), []
+        if group is not None and group in self.groups:
+            sources.append((self.groups[group], "group"))
+        if self.cfg.use_global or group is None:
+            sources.append((self.glob, "global"))
+        best = Draft()
+        states = ctx.match_state if isinstance(ctx, ContextIndex) else {}
+        for trie, name in sources:
+            st = states.setdefault(id(trie), [-1, 0, 0, 0, 0])
+            d = trie.draft(tokens, self.cfg, budget, name, st)
+            if d.score > best.score:
+                best = d
+        return best

@@ -1,0 +1,113 @@
+"""The SGLang plugin HARTS_SUFFIX (rollout/war/sglang_plugin.py) with SGLang 0.5.17 imported on CPU.
+
+SGLang is installed without dependencies into its own directory (``sglang_site``; the venv's
+torch is untouched) and imported in a subprocess: its import patches transformers. There, SGLang's
+own plugin loader (``sglang.srt.plugins.load_plugins``) discovers our entry point of group
+``sglang.srt.plugins`` and ``SpeculativeAlgorithm.from_string("HARTS_SUFFIX")`` resolves to our
+class; the corpus' draft/mask layout is read back with SGLang's own ``leaf_paths_from_mask``.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_harts.rollout.war.sglang_plugin import (ALGO_NAME, ENTRY_POINT, SuffixCorpus, TrajectoryFeed, group_of,
+                                                      sglang_site, write_plugin_dist)
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY = "harts_suffix = megatron_harts.rollout.war.sglang_plugin:register"
+assert ENTRY == ENTRY_POINT
+
+CHECK = r'''
+import json, sys
+from sglang.srt.plugins import load_plugins
+from sglang.srt.speculative import spec_registry
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+assert spec_registry.get_spec("HARTS_SUFFIX") is None          # nothing before the loader runs
+load_plugins()
+algo = SpeculativeAlgorithm.from_string("harts_suffix")
+out = {"repr": repr(algo), "registered": spec_registry.get_spec("HARTS_SUFFIX") is algo,
+       "is_ngram": algo.is_ngram(), "is_speculative": algo.is_speculative(), "is_eagle": algo.is_eagle(),
+       "has_draft_kv": algo.has_draft_kv(), "overlap": algo.supports_overlap,
+       "ngram_args": "_handle_ngram" in type(algo).handle_server_args.__code__.co_names}
+from sglang.srt.arg_groups.speculative_hook import _handle_ngram   # the hook it delegates to exists
+class SA:                                                         # the worker needs sgl_kernel (GPU)
+    disable_overlap_schedule = True
+try:
+    algo.create_worker(SA())
+    out["worker"] = "built"
+except ImportError as e:
+    out["worker"] = f"ImportError: {e}"
+from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus
+c = SuffixCorpus(6)
+c.drafter.add_trajectory([5, 6, 7, 8, 9, 10, 11], "g")
+ids, mask = c.batch_get(["g/0#1", "x/0#1"], [[1, 5, 6], [3, 3]], [3, 2])
+n = 6
+out["paths"] = [NgramCorpus.leaf_paths_from_mask(None, ids[b * n:(b + 1) * n].tolist(),
+                mask[b * n * n:(b + 1) * n * n].reshape(n, n).astype(int).tolist()) for b in range(2)]
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def site():
+    return sglang_site()         # installed once (scripts/setup.sh does it in CI)
+
+
+@pytest.mark.timeout(300)
+def test_registration_through_sglangs_plugin_loader(site, tmp_path):
+    # a distribution declaring our entry point, as `pip install megatron_harts` does (setup.py)
+    write_plugin_dist(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(site), str(ROOT)]))
+    r = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=240)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    out = json.loads(line[0][7:])
+    assert out["repr"].endswith(f"('{ALGO_NAME}')") and out["registered"]
+    assert out["is_ngram"] and out["is_speculative"] and not out["is_eagle"] and not out["has_draft_kv"]
+    assert out["overlap"] is True and out["ngram_args"]
+    assert "sgl_kernel" in out["worker"], out["worker"]           # the factory reaches NGRAMWorker
+    # SGLang reads our chain: root (the last context token) -> group g's continuation (a match
+    # of 2 tokens earns 2 draft tokens), the unused nodes as leaves under the root
+    assert out["paths"][0] == [[6, 7, 8], [6, 0], [6, 0], [6, 0]], out["paths"]
+    # no group index: the request's own context ([3, 3] repeats 3) drafts one token
+    assert out["paths"][1] == [[3, 3], [3, 0], [3, 0], [3, 0], [3, 0]], out["paths"]
+
+
+def test_setup_py_declares_the_entry_point():
+    text = (ROOT / "setup.py").read_text()
+    assert re.search(r'"sglang\.srt\.plugins":\s*\[\s*"' + re.escape(ENTRY) + '"', text), \
+        "setup.py must declare the sglang.srt.plugins entry point"
+
+
+def test_corpus_layout_feed_and_errors(tmp_path):
+    feed = tmp_path / "feed.jsonl"
+    c = SuffixCorpus(5, feed=str(feed), poll_s=0.0)
+    TrajectoryFeed(feed).add([1, 2, 3, 4, 5, 6], "grp")
+    with open(feed, "a") as f:
+        f.write('{"group": "grp", "tokens": [9, 9')          # a line still being written
+    assert c.poll() == 1 and c.drafter.indexed_tokens == 6
+    with open(feed, "a") as f:
+        f.write(', 9]}\n')
+    assert c.poll() == 1
+    ids, mask = c.batch_get(["grp/0.1#2-7"], [[7, 1, 2]], [3])
+    ids, mask = ids.reshape(5), mask.reshape(5, 5)
+    assert ids.tolist() == [2, 3, 4, 0, 0]      # root = last token, the draft (2-token match: 2 tokens)
+    assert (mask[:3, :3] == np.tril(np.ones((3, 3), bool))).all() and not mask[:3, 3:].any()   # a chain
+    assert (mask[3:] == np.array([[1, 0, 0, 1, 0], [1, 0, 0, 0, 1]], bool)).all()  # unused: leaves of the root
+    # the next call passes only what is new (plus a tail), as the worker does
+    ids, mask = c.batch_get(["grp/0.1#2-7"], [[2, 3, 4]], [5])
+    assert c.known("grp/0.1#2-7") == 5 and ids.tolist() == [4, 5, 6, 0, 0]
+    with pytest.raises(ValueError, match="whole context"):
+        c.batch_get(["new"], [[1, 2]], [10])
+    with pytest.raises(ValueError, match="only 1 were passed"):
+        c.batch_get(["grp/0.1#2-7"], [[2]], [9])
+    c.erase_match_state(["grp/0.1#2-7"])
+    assert c.known("grp/0.1#2-7") == 0
+    assert group_of("t3/0.2#1-5") == "t3" and group_of("plain") is None

@@ -1,0 +1,248 @@
+"""WAR scheduling (rollout/war/scheduler.py, router.py).
+
+Policy unit tests of :class:`WarScheduler` (prefix locality, stickiness, load, progress, the LRU
+prefix model, the progress-ordered admission gate), then real HTTP: sglang-router 0.3.2 started for
+real (``RouterServer``) in front of local HTTP worker stubs (stdlib servers answering SGLang's
+``/generate`` with a fixed turn; named stubs: no model is needed to test routing), and the agent
+loop driving the stubs through the scheduler.
+"""
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megatron_harts.rollout.agent_loop import AgentLoop, RolloutConfig
+from megatron_harts.rollout.engines import HttpEngine
+from megatron_harts.rollout.types import Generation, SamplingParams, StepResult
+from megatron_harts.rollout.war.router import RouterServer
+from megatron_harts.rollout.war.scheduler import (PrefixModel, SchedulerConfig, ScheduledEngine, SpecSwitch,
+                                                   WarScheduler)
+
+P = list(range(100, 164))          # a 64-token task prompt
+
+
+def test_prefix_locality_stickiness_and_load():
+    s = WarScheduler(3, SchedulerConfig(block=8, expected_decode=16, load_weight=0.5))
+    a = s.place("g1/0", P, 0, [0, 0, 0])
+    s.started(a, "g1/0#0", P, 16)
+    # a sample of the same task (same prompt) goes where the prompt is cached, despite that load
+    assert s.place("g1/1", P, 0, [1, 0, 0]) == a
+    # a different task goes to an idle replica
+    b = s.place("g2/0", [7] * 64, 0, [1, 0, 0])
+    assert b != a
+    s.finished(a, "g1/0#0", P, Generation([1, 2, 3], [0.0] * 3, "stop"))
+    # the next turn of g1/0 returns to its replica (its whole context is cached there) ...
+    assert s.place("g1/0", P + [1, 2, 3] + [9] * 13, 1, [0, 0, 0]) == a
+    # ... unless that replica is far more loaded than the prefix is worth
+    for i in range(4):
+        s.started(a, f"x#{i}", [50 + i] * 200, 16)
+    assert s.place("g1/0", P + [1, 2, 3] + [9] * 13, 1, [4, 0, 0]) != a
+    assert s.stats["moves"] == 1
+    # engines the loop marks as unusable are never picked
+    assert s.place("g3/0", [5] * 64, 0, [1 << 20, 1 << 20, 0]) == 2
+
+
+def test_progress_moves_late_trajectories_first():
+    cfg = SchedulerConfig(block=8, expected_decode=0, progress_weight=4.0)
+    s = WarScheduler(2, cfg)
+    ctx_early, ctx_late = [1] * 160, [2] * 160
+    for tid, ctx in (("e/0", ctx_early), ("l/0", ctx_late)):
+        s.started(0, f"{tid}#prev", ctx, 0)     # both contexts cached on replica 0
+        s.finished(0, f"{tid}#prev", ctx, Generation([], [], "stop"))
+    s.place("l/0", ctx_late, 9, [0, 0])          # the late one has done 9 turns
+    s.started(0, "busy#0", [3] * 100, 0)         # replica 0 now has 100 tokens of work queued
+    assert s.place("e/0", ctx_early, 0, [1, 0]) == 0     # early: 100 < 160 uncached -> stays
+    assert s.place("l/0", ctx_late, 9, [1, 0]) == 1      # late: waiting weighs (1 + 4 * 0.9)x -> moves
+    assert s.priority("l/0") < s.priority("e/0")
+
+
+def test_prefix_model_lru_eviction():
+    m = PrefixModel(capacity=32, block=8)                # 4 blocks
+    a, b = m.block_hashes(list(range(24))), m.block_hashes(list(range(100, 124)))
+    assert len(a) == 3 and m.block_hashes(list(range(27)), a[:2]) == m.block_hashes(list(range(27)))
+    m.insert(a)
+    assert m.match(a) == 24 and m.match(b) == 0
+    m.insert(b)                                          # 6 blocks > 4: a's oldest (its root) goes first
+    assert m.match(b) == 24 and m.match(a) == 0 and len(m) == 32
+    with pytest.raises(ValueError, match="block"):
+        SchedulerConfig(block=0)
+
+
+class FakeEngine:
+    """A named in-process stand-in (the gate's order is what is tested): blocks until released."""
+
+    name = "fake"
+
+    def __init__(self):
+        self.order, self.gate = [], threading.Event()
+
+    def generate(self, input_ids, sampling, rid=None):
+        self.order.append(rid)
+        self.gate.wait(10)
+        return Generation([4], [0.0], "stop")
+
+
+@pytest.mark.timeout(30)
+def test_admission_gate_orders_by_progress():
+    s = WarScheduler(1, SchedulerConfig(block=8, max_running=1))
+    fake = FakeEngine()
+    eng = s.wrap([fake])[0]
+    assert isinstance(eng, ScheduledEngine) and eng.name == "fake"
+    for tid, turns in (("a/0", 0), ("b/0", 5), ("c/0", 2), ("d/0", 9)):
+        s.place(tid, [1] * 16, turns, [0])
+    threads = [threading.Thread(target=eng.generate, args=([1] * 16, SamplingParams(), f"{t}#1-{i}"))
+               for i, t in enumerate(["a/0", "b/0", "c/0", "d/0"])]
+    threads[0].start()
+    while not fake.order:
+        time.sleep(0.01)
+    for t in threads[1:]:
+        t.start()
+    time.sleep(0.3)                                       # all three wait at the gate
+    fake.gate.set()
+    for t in threads:
+        t.join(10)
+    assert [r.split("#")[0] for r in fake.order] == ["a/0", "d/0", "b/0", "c/0"]
+    assert SpecSwitch(8).speculate(8) and not SpecSwitch(8).speculate(9)
+
+
+# ------------------------------------------------------------------------------ real HTTP
+END_CALL = 4
+
+
+class Stub:
+    """A local HTTP worker stub: SGLang's /generate shape, a fixed 4-token turn ending </call>."""
+
+    def __init__(self, tag: int):
+        self.tag, self.rids = tag, []
+        stub = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, obj):
+                d = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(d)))
+                self.end_headers()
+                self.wfile.write(d)
+
+            def do_GET(self):
+                self._send({"model_path": "stub", "weight_version": "v0"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path != "/generate":
+                    return self._send({})
+                stub.rids.append(body.get("rid"))
+                out = [8 + stub.tag, 8 + stub.tag, 8 + stub.tag, END_CALL]
+                self._send({"text": "", "output_ids": out, "meta_info": {
+                    "id": body.get("rid"), "finish_reason": {"type": "stop", "matched": END_CALL},
+                    "prompt_tokens": len(body["input_ids"]), "completion_tokens": 4, "cached_tokens": 0,
+                    "weight_version": "v0", "output_token_logprobs": [[-0.5, t, None] for t in out]}})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def stubs():
+    ws = [Stub(i) for i in range(3)]
+    yield ws
+    for w in ws:
+        w.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
+def test_sglang_router_for_real(stubs, policy, tmp_path):
+    with RouterServer([w.url for w in stubs], policy, log_path=str(tmp_path / "router.log")) as router:
+        eng = router.engine(timeout=30, retries=1)
+        for w in stubs:
+            w.rids.clear()
+        sp = SamplingParams(max_new_tokens=4, stop_token_ids=[END_CALL])
+        for i in range(6):
+            g = eng.generate(P + [i % 2] * 40, sp, rid=f"t{i % 2}/0#{i}")
+            assert g.output_ids[-1] == END_CALL and len(g.logprobs) == 4
+        seen = [len(w.rids) for w in stubs]
+        assert sum(seen) == 6 and all(r is not None and r.startswith("t") for w in stubs for r in w.rids)
+        if policy == "round_robin":
+            assert seen == [2, 2, 2], seen
+        else:   # cache_aware: a repeated prompt goes back to the worker that has it
+            where = {r.split("#")[0]: {k for k, w in enumerate(stubs) for q in w.rids if q.split("#")[0] ==
+                                       r.split("#")[0]} for w in stubs for r in w.rids}
+            assert all(len(v) == 1 for v in where.values()), where
+
+
+class ThreeTurns:
+    """A text environment of three tool turns (no sandbox: routing is what is tested)."""
+
+    task_id = "three"
+
+    def __init__(self, task):
+        self.n, self.task = 0, task
+
+    def prompt(self):          # long enough that moving a trajectory costs more than waiting
+        return f"task {self.task}: count to three. " + "Context. " * 60
+
+    def step(self, action):
+        self.n += 1
+        if self.n >= 3:
+            return StepResult(None, True, 1.0)
+        return StepResult(f"turn {self.n}", False)
+
+    def fork(self):
+        return self
+
+    def close(self):
+        pass
+
+
+def _rollout(stubs, pick):
+    from megatron_harts.rollout.tokenizer import ByteTokenizer
+
+    for w in stubs:
+        w.rids.clear()
+    # a replica caches one task: its 4 samples share a ~565-token prompt, contexts grow to ~590
+    s = WarScheduler(3, SchedulerConfig(block=4, max_running=2, cache_tokens=800, load_weight=0.5))
+    engines = s.wrap([HttpEngine(w.url, timeout=30, retries=0) for w in stubs])
+    loop = AgentLoop(engines, ByteTokenizer(), ThreeTurns, RolloutConfig(group_size=4, max_new_tokens=8),
+                     pick_engine=pick or s)
+    res = loop.rollout([0, 1, 2])
+    assert len(res.trajectories) == 12 and not res.failed
+    assert s.stats["started_prompt"] > 0 and s.load == [0.0, 0.0, 0.0]
+    return s, [len(w.rids) for w in stubs]
+
+
+@pytest.mark.timeout(60)
+def test_agent_loop_through_the_scheduler(stubs):
+    s, per = _rollout(stubs, None)
+    assert s.stats["turns"] == 36 and all(per), per       # every replica is used (the stubs answer at once)
+    rr = iter(range(10 ** 6))
+    base, _ = _rollout(stubs, lambda ep, engines, load: next(rr) % len(engines))   # round robin
+    # the same accounting on the replicas actually used: prefix locality pays
+    assert s.cache_hit() > 0.8 > base.cache_hit() + 0.2, (s.cache_hit(), base.cache_hit())
+
+
+def test_bench_script_rejects_bad_input():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
+    for args, word in ((["--parts", "gpu"], "--parts"), (["--budgets", "8,x"], "--budgets"),
+                       (["--parts", "h200"], "--model-path")):
+        r = subprocess.run([sys.executable, str(script), *args, "--out", "/nonexistent/x.json"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
