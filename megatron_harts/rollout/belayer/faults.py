@@ -134,6 +134,17 @@ class SandboxFaultInjector:
                 self.faults.append(Fault(kind, f"{pid}:{merged}", time.monotonic(), self._hit(kind, pid)))
 
     def _hit(self, kind: str, pid: int) -> bool:
+        deadline = time.monotonic() + 0.2      # the runner's shell becomes bwrap (exec) after joining its cgroup
+        while True:
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "bwrap" and \
+                        os.readlink(f"/proc/{pid}/fd/1").startswith("pipe:"):
+                    break
+            except OSError:
+                return False
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
         try:
             if kind == "kill":
                 os.kill(pid, signal.SIGKILL)
