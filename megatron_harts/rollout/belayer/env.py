@@ -25,7 +25,8 @@ attributes) and implements :class:`~megatron_harts.rollout.types.Environment`:
   status without a timeout), a timed-out (hung) command, output with bytes that are not text
   (U+FFFD, NUL, control characters), a sandbox whose mount or directory is gone
   (``SandboxError``)): the environment is restored to the turn before the action and the action
-  re-run; a fault that reproduces ``max_retries`` times is the tool's real behaviour and accepted.
+  re-run; a suspect result that reproduces (the same observation for the same action at the same turn,
+  also across a context cut) is the tool's real behaviour and accepted.
   When the restore reaches an earlier turn than the action needs (checkpoint recovery, or a replay
   mismatch) ``step`` raises :class:`PrefixCut` with that turn: the caller cuts the trajectory back
   (:class:`BelayerAgentLoop`) and generation continues from there (prefix consistency).
@@ -107,16 +108,21 @@ def _fingerprint(upper: Path) -> tuple:
     return tuple(sorted(out))
 
 
-def suspect(res: StepResult) -> str | None:
-    """Why a step's result looks like an infrastructure fault (None when it does not)."""
+def suspect(res: StepResult, action: str = "") -> str | None:
+    """Why a step's result looks like an infrastructure fault (None when it does not): a timed-out
+    command (``hang``), one killed from outside (negative exit status: ``killed``), or more
+    non-text characters (U+FFFD, NUL, control characters other than newline and tab) in the
+    observation than in the ``action`` it answers (a tool may echo the action's own bytes)."""
     info = res.info or {}
     if info.get("tool") == "run":
         if info.get("timed_out"):
             return "hang"
         if isinstance(info.get("exit"), int) and info["exit"] < 0:
             return "killed"
-    if res.observation and any(c in _BAD_CHARS for c in res.observation):
-        return "garbage"
+    if res.observation:
+        n_bad = sum(c in _BAD_CHARS for c in res.observation)
+        if n_bad > sum(c in _BAD_CHARS for c in action):
+            return "garbage"
     return None
 
 
@@ -150,6 +156,7 @@ class CheckpointedEnv:
         self._ckpt_ema: float | None = None
         self._last_step_end: float | None = None
         self._thread: threading.Thread | None = None
+        self._suspects: set[tuple] = set()      # (turn, action, why, observation) seen once
         self._checkpoint("initial" if not self.actions else "inline")
 
     # -- Environment protocol ---------------------------------------------------------------------
@@ -192,7 +199,13 @@ class CheckpointedEnv:
             res = self.env.step(action)
         except SandboxError as e:
             return f"sandbox error: {e}", None
-        return suspect(res), res
+        why = suspect(res, action)
+        if why is not None:
+            key = (len(self.actions), action, why, res.observation)
+            if key in self._suspects:       # the same result for the same action again: not a fault
+                return None, res
+            self._suspects.add(key)
+        return why, res
 
     def fork(self) -> "CheckpointedEnv":
         self._wait_checkpoint()
