@@ -184,16 +184,27 @@ def lose_sandbox(sb) -> bool:
     return True
 
 
-def kill_server(server) -> Fault:
-    """SIGKILL an engine server's process group (a started ``_ServerProcess``)."""
+def kill_server(server, target: str = "group") -> Fault:
+    """SIGKILL an engine server (a started ``_ServerProcess``): ``group``: its whole process group
+    (the server and every child); ``child``: only its first child process (SGLang's scheduler; the
+    server process itself stays up until its watchdog notices), the whole group when it has none."""
     proc = server.proc
     landed = proc is not None and proc.poll() is None
+    what = server.url
     if landed:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            kids = []
+            if target == "child":
+                for task in Path(f"/proc/{proc.pid}/task").iterdir():
+                    kids += [int(p) for p in (task / "children").read_text().split()]
+            if kids:
+                os.kill(min(kids), signal.SIGKILL)
+                what = f"{server.url} child {min(kids)}"
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, FileNotFoundError):
             landed = False
-    return Fault("engine_kill", server.url, time.monotonic(), landed)
+    return Fault("engine_kill", what, time.monotonic(), landed)
 
 
 # ------------------------------------------------------------------------------------ checker

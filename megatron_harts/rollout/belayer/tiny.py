@@ -47,21 +47,29 @@ if a["call_prob"] > 0:
             W[tok] += (target - cur) * v / float(v @ v)
         probs = torch.softmax(model(input_ids=ids, use_cache=False).logits.float(), -1).reshape(-1, W.shape[0])
         stats = {"p_end_call": float(probs[:, a["end_call"]].mean()), "p_eos": float(probs[:, a["eos"]].mean())}
-model.save_pretrained(a["out"])
+model.to(getattr(torch, a["dtype"])).save_pretrained(a["out"])
+cfg_file = a["out"] + "/config.json"
+saved = json.load(open(cfg_file))
+saved.setdefault("full_attention_interval", a["config"].get("full_attention_interval", 4))   # SGLang reads it
+json.dump(saved, open(cfg_file, "w"), indent=1)
 print(json.dumps(stats))
 '''
 
 
 def make_tiny_checkpoint(out: str | os.PathLike, *, seed: int = 0, call_prob: float = 0.0, eos_prob: float = 0.01,
-                         shared: float = 1.0, python: str | None = None) -> dict:
+                         shared: float = 1.0, python: str | None = None, preset: str = "tiny",
+                         dtype: str = "float32") -> dict:
     """Write the checkpoint to ``out`` (a new directory); returns ``{"path", "p_end_call",
     "p_eos"}`` (the measured mean per-step probabilities when steered). Takes the helper's
-    transformers import (~5-20 s on a loaded CPU)."""
+    transformers import (~5-20 s on a loaded CPU). ``preset``: a
+    :func:`~megatron_harts.rollout.weight_sync.model_config` preset (``small-moe`` for SGLang);
+    ``dtype``: of the saved tensors (``bfloat16`` for SGLang); ``config.json`` gets
+    ``full_attention_interval`` (SGLang's Qwen3-Next reads it; transformers 5 drops it)."""
     from ..tokenizer import END_CALL, EOS, ByteTokenizer
-    from ..weight_sync import tiny_qwen3_next_config
+    from ..weight_sync import model_config
 
     tok = ByteTokenizer()
-    args = {"config": tiny_qwen3_next_config(), "seed": int(seed), "call_prob": float(call_prob),
+    args = {"config": model_config(preset), "seed": int(seed), "call_prob": float(call_prob), "dtype": dtype,
             "eos_prob": float(eos_prob), "shared": float(shared), "out": str(out),
             "end_call": tok.token_id(END_CALL), "eos": tok.token_id(EOS)}
     r = subprocess.run([python or sys.executable, "-c", _HELPER, json.dumps(args)], capture_output=True, text=True,
