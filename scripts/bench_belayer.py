@@ -41,6 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tqdm import tqdm  # noqa: E402
+
 log = logging.getLogger("bench_belayer")
 
 
@@ -78,7 +80,7 @@ def _server_factory(args, workdir):
     return start
 
 
-def _killed_request(sup, eng, sp, prompt, kill_at, rid):
+def _killed_request(sup, eng, sp, prompt, kill_at, rid, target="group"):
     from megatron_harts.rollout.belayer.faults import kill_server
 
     out = {}
@@ -90,7 +92,7 @@ def _killed_request(sup, eng, sp, prompt, kill_at, rid):
         time.sleep(0.001)
     rec = eng.log.records[rid]
     k = len(rec.output_ids)
-    f = kill_server(sup.worker(0).server)
+    f = kill_server(sup.worker(0).server, target)
     th.join()
     return out["g"], rec, k, f.t
 
@@ -110,12 +112,13 @@ def bench_engine(args, workdir, device):
                          health_interval_s=0.25, engine_kw={"timeout": 600.0, "retries": 0}).start()
         try:
             ref = sup.engine(0).generate(prompt, sp)
-            for r in range(reps):
+            for r in tqdm(range(reps), desc=f"engine {mode}", leave=False):
                 if mode != "cold":                         # the shadow re-started by the last kill
                     while not sup.shadows:
                         time.sleep(0.1)
                 eng = ResumableEngine(sup, 0, resume="restart" if mode == "restart" else "prefix")
-                g, rec, k, t_kill = _killed_request(sup, eng, sp, prompt, args.kill_at, f"{mode}-{r}")
+                g, rec, k, t_kill = _killed_request(sup, eng, sp, prompt, args.kill_at, f"{mode}-{r}",
+                                                     args.kill)
                 if mode != "restart" and g.output_ids != ref.output_ids:
                     log.warning("%s rep %d: output differs from the uninterrupted one", mode, r)
                 if mode == "restart":
@@ -133,9 +136,10 @@ def bench_engine(args, workdir, device):
             sup.close()
     note = (f"{args.engine}; SIGKILL after {args.kill_at} of {args.max_new_tokens} tokens, prompt {args.prompt_len}; "
             f"server start-up {statistics.median(startups):.1f} s")
-    rows.append(_row("engine worker SIGKILL (mid-request)", "shadow promoted + prefix resume", res["shadow"],
+    fault = "engine worker SIGKILL (mid-request)" if args.kill == "group" else "engine scheduler SIGKILL (mid-request)"
+    rows.append(_row(fault, "shadow promoted + prefix resume", res["shadow"],
                      "cold start + prefix resume", res["cold"], device=device, note=note))
-    rows.append(_row("engine worker SIGKILL (mid-request)", "shadow promoted + prefix resume", res["shadow"],
+    rows.append(_row(fault, "shadow promoted + prefix resume", res["shadow"],
                      "shadow promoted + abort-and-resubmit from scratch", res["restart"], device=device, note=note))
     rows.append({"fault": "engine worker SIGKILL", "mechanism": "GPU state reuse (torch_memory_saver / CUDA IPC)",
                  "recovery_s": None, "baseline": None, "baseline_s": None, "speedup": None, "lost_trajectories": None,
@@ -163,7 +167,7 @@ def bench_env(args, device):
     rows = []
     for name, mk, actions, every in cases:
         rec, base, over, replayed = [], [], [], []
-        for r in range(args.reps):
+        for r in tqdm(range(args.reps), desc=f"env {name} every {every}", leave=False):
             env = CheckpointedEnv(mk, policy=CheckpointPolicy(every=every))
             try:
                 for a in actions[:-1]:
@@ -232,20 +236,28 @@ def bench_overhead(args, workdir, device):
     from megatron_harts.rollout.tokenizer import ByteTokenizer
 
     start = _server_factory(args, workdir)
-    cfg = RolloutConfig(group_size=4, max_new_tokens=12, max_concurrency=8, seed=0)
-    tasks = list(range(6))
-    mk = lambda t: make_env("lookup", int(t), seed=0, max_turns=4)          # noqa: E731
+    cfg = RolloutConfig(group_size=4, max_new_tokens=16, max_concurrency=8, seed=0)
+    tasks = list(range(4))
+    mk = lambda t: make_env("code_repair", int(t), seed=0, max_turns=3)     # noqa: E731
     sup = Supervisor(start, args.overhead_model_path, "v0", num_active=1, num_shadows=0, health_interval_s=0.5).start()
     kinds = ("plain", "engine", "env", "belayer")
     times = {k: [] for k in kinds}
+    crit = {k: [] for k in kinds}
+    envs: list = []
+
+    def ckpt_env(t):
+        env = CheckpointedEnv(lambda: mk(t))
+        envs.append(env)
+        return env
     try:
         url = sup.worker(0).engine.url
-        for r in range(args.reps + 1):                     # the first round warms up
+        for r in tqdm(range(args.overhead_reps + 1), desc="overhead rounds"):   # the first round warms up
             for kind in kinds:
                 engines = [ResumableEngine(sup, 0)] if kind in ("engine", "belayer") else [HttpEngine(url)]
-                factory = (lambda t: CheckpointedEnv(lambda: mk(t))) if kind in ("env", "belayer") else mk
+                factory = ckpt_env if kind in ("env", "belayer") else mk
                 loop = (BelayerAgentLoop if kind in ("env", "belayer") else AgentLoop)(engines, ByteTokenizer(),
                                                                                       factory, cfg)
+                envs.clear()
                 t0 = time.monotonic()
                 res = loop.rollout(tasks, [f"t{t}" for t in tasks])
                 dt = time.monotonic() - t0
@@ -253,6 +265,9 @@ def bench_overhead(args, workdir, device):
                     raise RuntimeError(f"{kind} rollout lost {len(res.failed)} episodes")
                 if r:
                     times[kind].append(dt)
+                    if envs:       # checkpoint time the episodes waited for (inline copies, joins)
+                        crit[kind].append(100 * sum(e.stats["checkpoint_wait_s"] + sum(
+                            c.seconds for c in e.checkpoints if c.mode in ("inline", "initial")) for e in envs) / dt)
     finally:
         sup.close()
     p = statistics.median(times["plain"])
@@ -264,13 +279,15 @@ def bench_overhead(args, workdir, device):
         b = statistics.median(times[kind])
         rows.append({"fault": "none (failure-free rollout)", "mechanism": what[kind], "recovery_s": None,
                      "baseline": "plain AgentLoop + HttpEngine + SandboxEnv", "baseline_s": p, "speedup": None,
-                     "lost_trajectories": 0, "overhead_pct": 100 * (b - p) / p, "reps": len(pairs),
+                     "lost_trajectories": 0, "overhead_pct": statistics.median(pairs), "reps": len(pairs),
+                     "checkpoint_critical_path_pct": statistics.median(crit[kind]) if crit[kind] else None,
                      "spread": {"overhead_pct_paired": [min(pairs), max(pairs)],
                                 "rollout_s": [min(times[kind]), max(times[kind])],
                                 "baseline_rollout_s": [min(times["plain"]), max(times["plain"])]},
                      "device": device, "rollout_s": b,
-                     "note": "24 lookup episodes (tiny steered random model, <= 4 turns, one embedded server), "
-                             "the four variants alternated each round"})
+                     "note": "16 code_repair episodes (tiny steered random model: random shell commands, <= 3 "
+                             "turns, one embedded server), the four variants alternated each round; overhead_pct: "
+                             "median of the paired differences"})
     return rows
 
 
@@ -282,14 +299,25 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads of each embedded server")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cold-reps", type=int, default=3)
+    p.add_argument("--overhead-reps", type=int, default=4)
+    p.add_argument("--merge", action="store_true", help="keep the rows of the other parts already in --out")
+    p.add_argument("--plot", default=None, help="also draw the rows of --out into this PNG")
+    p.add_argument("--plot-only", action="store_true", help="only draw --plot from --out")
     p.add_argument("--kill-at", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-gap-s", type=float, default=0.05, help="simulated generation time between env turns")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kill", choices=["group", "child"], default="group",
+                   help="SIGKILL the server's process group, or only its first child (SGLang's scheduler)")
     p.add_argument("--parts", default="engine,env,overhead")
     p.add_argument("--out", default="docs/benchmarks/belayer.json")
     args = p.parse_args(argv)
+    if args.plot_only:
+        if not args.plot:
+            p.error("--plot-only needs --plot PNG")
+        plot(args.out, args.plot)
+        return 0
     parts = set(args.parts.split(","))
     if not parts <= {"engine", "env", "overhead"}:
         p.error(f"--parts: unknown part(s) {sorted(parts - {'engine', 'env', 'overhead'})}")
@@ -312,20 +340,61 @@ def main(argv=None):
     rows, detail = [], []
     if "engine" in parts:
         r, detail = bench_engine(args, workdir, device)
+        for x in r:
+            x["part"] = "engine"
         rows += r
     if "env" in parts:
-        rows += bench_env(args, device)
+        rows += [dict(x, part="env") for x in bench_env(args, device)]
     if "overhead" in parts:
-        rows += bench_overhead(args, workdir, device)
-    out = {"device": device, "command": "python scripts/bench_belayer.py " + " ".join(argv or sys.argv[1:]),
-           "rows": rows, "engine_reps": detail}
+        rows += [dict(x, part="overhead") for x in bench_overhead(args, workdir, device)]
+    cmd = "python scripts/bench_belayer.py " + " ".join(argv or sys.argv[1:])
+    out = {"device": device, "commands": {p_: cmd for p_ in parts}, "rows": rows, "engine_reps": detail}
+    if args.merge and Path(args.out).is_file():
+        old = json.loads(Path(args.out).read_text())
+        keep = [x for x in old["rows"] if x.get("part") not in parts]
+        order = ["engine", "env", "overhead"]
+        out["rows"] = sorted(keep + rows, key=lambda x: order.index(x.get("part", "engine")))
+        out["commands"] = {**old.get("commands", {}), **out["commands"]}
+        if "engine" not in parts:
+            out["engine_reps"] = old.get("engine_reps", [])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    if args.plot:
+        plot(args.out, args.plot)
     for r in rows:
         log.info("%s | %s | recovery %s s | %s %s s | speedup %s | overhead %s %%", r["fault"], r["mechanism"],
                  _fmt(r["recovery_s"]), r["baseline"], _fmt(r["baseline_s"]), _fmt(r["speedup"]),
                  _fmt(r["overhead_pct"]))
     return 0
+
+
+def plot(json_path, png_path):
+    """Recovery vs baseline per fault (log scale, medians with min-max bars)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = json.loads(Path(json_path).read_text())
+    rows = [r for r in d["rows"] if r.get("recovery_s") and r.get("baseline_s")]
+    fig, ax = plt.subplots(figsize=(10, 0.9 * len(rows) + 1.2))
+    for i, r in enumerate(rows):
+        sp = r.get("spread") or {}
+        for j, (key, color, label) in enumerate((("recovery_s", "tab:green", "Belayer"),
+                                                 ("baseline_s", "tab:gray", "baseline"))):
+            lo, hi = (sp.get(key) or [r[key], r[key]])
+            y = i + (0.2 if j else -0.2)
+            ax.barh(y, r[key], height=0.38, color=color, label=label if i == 0 else None)
+            ax.plot([lo, hi], [y, y], color="black", lw=1)
+        ax.text(max(r["baseline_s"], r["recovery_s"]) * 1.3, i, f"{r['speedup']:.1f}x", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{r['fault']}\n{r['mechanism']}\nvs {r['baseline']}" for r in rows], fontsize=6)
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds: fault -> first resumed token / consistent observation (median, min-max)", fontsize=8)
+    ax.set_title(f"Belayer recovery, {d['device']}", fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
 
 
 def _fmt(x):

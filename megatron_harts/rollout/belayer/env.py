@@ -68,9 +68,9 @@ class PrefixCut(Exception):
 @dataclass
 class Checkpoint:
     """State after turn ``turn``: ``files`` (a copy of the upper dir, possibly shared with the
-    previous checkpoint when nothing changed), ``state`` (the env's attributes, deep-copied),
-    ``fingerprint`` of the upper dir, ``mode`` (``initial``, ``background``, ``inline``,
-    ``unchanged``) and the copy's seconds."""
+    previous checkpoint when nothing changed; None while nothing was written), ``state`` (the
+    env's attributes, deep-copied), ``fingerprint`` of the upper dir, ``mode`` (``initial``,
+    ``background``, ``inline``, ``unchanged``, ``empty``) and the copy's seconds."""
 
     turn: int
     files: Path | None
@@ -199,6 +199,8 @@ class CheckpointedEnv:
             res = self.env.step(action)
         except SandboxError as e:
             return f"sandbox error: {e}", None
+        if not self._sandbox_ok():         # lost while the command ran: its output cannot be trusted
+            return "sandbox lost during the command", None
         why = suspect(res, action)
         if why is not None:
             key = (len(self.actions), action, why, res.observation)
@@ -254,6 +256,9 @@ class CheckpointedEnv:
         if prev is not None and prev.fingerprint == fp and prev.error is None:
             ck = Checkpoint(turn, prev.files, self._state(), fp, "unchanged")
             prev.ready.wait()
+            ck.ready.set()
+        elif not fp:                       # nothing written yet: the base layer alone is the state
+            ck = Checkpoint(turn, None, self._state(), fp, "empty")
             ck.ready.set()
         else:
             ck = Checkpoint(turn, self._dir / f"t{turn:04d}-{next(self._ids)}", self._state(), fp, mode)
