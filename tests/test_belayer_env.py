@@ -72,7 +72,9 @@ def test_process_faults_are_recovered_with_identical_observations(kind, referenc
         seen = [f["why"] for f in env.stats["faults"]]
         assert seen, "faults landed but none was detected"
         want = {"kill": ("sandbox error", "killed"), "hang": ("hang",), "garbage": ("garbage",)}[kind]
-        assert all(w.startswith(want) for w in seen), seen
+        assert any(w.startswith(want) for w in seen), seen
+        # a loaded machine can add a real timeout of a slow command: also a fault, also recovered
+        assert all(w.startswith(want + ("hang",)) for w in seen), seen
         assert len(env.stats["restores"]) == len(seen)
     finally:
         env.close()
@@ -92,7 +94,7 @@ def test_lost_sandbox_is_restored_from_checkpoint_and_replay(reference):
         assert all(r["reached"] == r["to"] for r in restores)
         assert sum(r["replayed"] for r in restores) > 0            # replay of logged commands happened
         assert all(r["from_checkpoint"] % 3 == 0 for r in restores)
-        assert env.stats["modes"].get("initial") == 1
+        assert env.stats["modes"].get("empty") == 1          # nothing written at the start: no copy
     finally:
         env.close()
 

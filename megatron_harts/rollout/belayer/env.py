@@ -151,7 +151,7 @@ class CheckpointedEnv:
         self.results: list[StepResult] = list(_log[1]) if _log else []
         self.checkpoints: list[Checkpoint] = []
         self.stats: dict[str, Any] = {"faults": [], "restores": [], "checkpoint_s": 0.0, "checkpoint_wait_s": 0.0,
-                                      "modes": {}}
+                                      "modes": {}, "wrapper_s": 0.0, "inner_s": 0.0}
         self._gen_ema: float | None = None
         self._ckpt_ema: float | None = None
         self._last_step_end: float | None = None
@@ -170,8 +170,11 @@ class CheckpointedEnv:
         self._wait_checkpoint()
         turn = len(self.actions)                            # this action is turn + 1
         res = None
+        inner_s = 0.0
         for attempt in range(self.max_retries + 1):
+            t_try = time.monotonic()
             why, res = self._try(action)
+            inner_s += time.monotonic() - t_try
             if why is None:
                 break
             self.stats["faults"].append({"turn": turn + 1, "why": why, "attempt": attempt})
@@ -190,6 +193,9 @@ class CheckpointedEnv:
         self.results.append(res)
         self._after_step(res)
         self._last_step_end = time.monotonic()
+        if not self.stats["faults"] or self.stats["faults"][-1]["turn"] != turn + 1:   # failure-free steps only
+            self.stats["wrapper_s"] += self._last_step_end - t_in - inner_s
+            self.stats["inner_s"] += inner_s
         return res
 
     def _try(self, action: str) -> tuple[str | None, StepResult | None]:
