@@ -259,3 +259,64 @@ def test_context_cut_is_needed(sup, reference, hide_cut):
         assert bad, "a hidden context cut went unnoticed"
     else:
         assert bad == []
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_stream_client_reads_both_sglang_forms_and_reports_a_cut_stream(incremental):
+    """``HttpEngine.generate_stream`` against a stub server (named as such: SGLang does not run on
+    CPU) that speaks SGLang's two SSE forms (cumulative output_ids, the default; deltas with
+    --incremental-streaming-output) and then dies mid-stream: the tokens before the cut reach
+    ``on_tokens`` and an EngineError follows."""
+    import json as _json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from megatron_harts.rollout.engines import HttpEngine
+    from megatron_harts.rollout.types import EngineError
+
+    ids, lps = [11, 12, 13, 14], [-0.1, -0.2, -0.3, -0.4]
+
+    class Stub(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = _json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/generate":             # the client's abort after a cut stream
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            cut = body["rid"] == "cut"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()                       # no length: the body ends when the connection closes
+            for n in range(1, len(ids) + 1):
+                if cut and n == 3:
+                    break
+                lo = n - 1 if incremental else 0
+                meta = {"completion_tokens": n, "finish_reason": {"type": "length"} if n == len(ids) else None,
+                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps[lo:n], ids[lo:n])]}
+                self.wfile.write(b"data: " + _json.dumps({"output_ids": ids[lo:n], "meta_info": meta}).encode()
+                                 + b"\n\n")
+            if not cut:
+                self.wfile.write(b"data: [DONE]\n\n")
+            self.close_connection = True
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        e = HttpEngine(f"http://127.0.0.1:{srv.server_port}", timeout=10, retries=0)
+        got = []
+        g = e.generate_stream([1, 2], SamplingParams(max_new_tokens=4), rid="ok",
+                              on_tokens=lambda i, l: got.append((list(i), list(l))))
+        assert g.output_ids == ids and g.logprobs == lps and g.finish_reason == "length"
+        assert [x for i, _ in got for x in i] == ids and len(got) == 4
+        got.clear()
+        with pytest.raises(EngineError, match="without its last event"):
+            e.generate_stream([1, 2], SamplingParams(max_new_tokens=4), rid="cut",
+                              on_tokens=lambda i, l: got.append(list(i)))
+        assert [x for i in got for x in i] == ids[:2]
+    finally:
+        srv.shutdown()
