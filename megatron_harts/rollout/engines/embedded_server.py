@@ -31,6 +31,16 @@ request and before the queued ones (SGLang waits for in-flight requests too);
 nothing on the CPU); ``/flush_cache`` is a no-op (there is no prefix cache: ``cached_tokens`` is
 always 0).
 
+Streaming (``"stream": true``, as SGLang): the reply is ``text/event-stream`` (chunked), one
+``data: {JSON}`` event per new token with the reply's shape so far (cumulative ``output_ids`` and
+``output_token_logprobs``, ``finish_reason`` null until the last event, as SGLang without
+``--incremental-streaming-output``), then ``data: [DONE]``; a client that disconnects aborts its
+request. ``--enable-deterministic-inference`` (as SGLang's flag of that name): a seeded request
+draws the token at absolute position ``p`` (0-based index in prompt + output) from a generator
+seeded by ``(sampling_seed, p)``, so the same seed and context give the same token wherever the
+request starts: a request resumed from ``prompt + generated`` continues exactly as the
+uninterrupted one would (SGLang hashes seed and position the same way in that mode).
+
 The Qwen3-Next modeling code of transformers picks fla's Triton kernels (GPU only) whenever
 ``import fla`` works; :func:`main` blocks ``fla`` and ``causal_conv1d`` before transformers is
 imported, so this process always takes transformers' torch path.
@@ -91,6 +101,7 @@ class _Request:
     weight_version: str | None = None
     t0: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
+    tick: threading.Event = field(default_factory=threading.Event)     # set after every new token
 
 
 @dataclass
@@ -110,7 +121,7 @@ class EmbeddedEngine:
     """
 
     def __init__(self, model_path: str, weight_version: str | None = None, threads: int | None = None,
-                 speculative=None):
+                 speculative=None, deterministic: bool = False):
         import torch
 
         # ``speculative``: a ``war.speculative.SpecConfig`` -> lossless suffix speculation (WAR)
@@ -126,6 +137,7 @@ class EmbeddedEngine:
         self.model = self._load(model_path)
         self.model_path = model_path
         self.weight_version = weight_version
+        self.deterministic = bool(deterministic)     # seeded draws keyed by (seed, position)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
@@ -216,8 +228,6 @@ class EmbeddedEngine:
 
     def parse(self, body: dict) -> _Request:
         """A ``/generate`` body -> a queued-to-be request (raises :class:`BadRequest`)."""
-        if body.get("stream"):
-            raise BadRequest("the embedded engine does not stream")
         ids = body.get("input_ids")
         if ids is None:
             raise BadRequest("input_ids is required (the embedded engine has no tokenizer)")
@@ -265,19 +275,22 @@ class EmbeddedEngine:
             self._queue.append(req)
             self._cv.notify_all()
 
-    def result(self, req: _Request) -> dict:
-        """SGLang's ``/generate`` reply for a finished request."""
-        meta = {"id": req.rid, "finish_reason": req.finish, "prompt_tokens": len(req.input_ids),
-                "weight_version": req.weight_version, "completion_tokens": len(req.output_ids), "cached_tokens": 0,
-                "e2e_latency": time.perf_counter() - req.t0}
+    def result(self, req: _Request, n: int | None = None) -> dict:
+        """SGLang's ``/generate`` reply for a finished request; with ``n``: a streaming event with
+        the first ``n`` output tokens (``finish_reason`` null unless the request is done)."""
+        out = list(req.output_ids if n is None else req.output_ids[:n])
+        finish = req.finish if n is None or req.done.is_set() else None
+        meta = {"id": req.rid, "finish_reason": finish, "prompt_tokens": len(req.input_ids),
+                "weight_version": req.weight_version if req.done.is_set() else self.weight_version,
+                "completion_tokens": len(out), "cached_tokens": 0, "e2e_latency": time.perf_counter() - req.t0}
         if req.spec_steps:                    # SGLang's names for speculative requests
             meta["spec_verify_ct"] = req.spec_steps
             meta["spec_accept_length"] = len(req.output_ids) / req.spec_steps
         if req.return_logprob:
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
-            meta["output_token_logprobs_length"] = len(req.logprobs)
-        return {"text": "", "output_ids": list(req.output_ids), "meta_info": meta}
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out)]
+            meta["output_token_logprobs_length"] = len(out)
+        return {"text": "", "output_ids": out, "meta_info": meta}
 
     def _finish(self, req: _Request, finish: dict) -> None:
         with self._cv:
@@ -288,6 +301,7 @@ class EmbeddedEngine:
                 self._running = None
             self._cv.notify_all()
         req.done.set()
+        req.tick.set()
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted by the user") -> int:
         """Abort ``rid`` (or everything): queued requests finish now, the running one at its next
@@ -428,10 +442,15 @@ class EmbeddedEngine:
             if req.abort_message is not None:
                 return self._finish(req, {"type": "abort", "message": req.abort_message, "status_code": None,
                                           "err_type": None})
+            if self.deterministic and req.seed is not None:      # keyed by (seed, absolute position)
+                pos = len(req.input_ids) + len(req.output_ids)
+                gen = torch.Generator().manual_seed((req.seed * 1_000_003 + pos * 7_919) % (1 << 63))
             tok = self._sample(logits, req, gen)
+            lp = float(torch.log_softmax(logits, -1)[tok]) if req.return_logprob else None
+            if lp is not None:            # log-prob first: a streaming reader takes min(len) of both
+                req.logprobs.append(lp)
             req.output_ids.append(tok)
-            if req.return_logprob:
-                req.logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
+            req.tick.set()
             self.tokens_generated += 1
             if len(req.output_ids) < req.max_new_tokens and tok not in req.stop_ids:
                 logits, cache = self._forward([tok], cache)
@@ -521,10 +540,47 @@ class _Handler(BaseHTTPRequestHandler):
         eng = self.engine
         req = eng.parse(body)
         eng.submit(req)
+        if body.get("stream"):
+            return self._stream(req)
         req.done.wait()
         if req.finish and req.finish.get("status_code") == 500:
             return self._send(500, {"error": {"message": req.finish["message"]}})
         self._send(200, eng.result(req))
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _stream(self, req: _Request) -> None:
+        """Server-sent events, one per new token (cumulative, SGLang's default), then ``[DONE]``;
+        an error ends the stream with ``data: {"error": ...}``; a vanished client aborts ``req``."""
+        eng = self.engine
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        sent = 0
+        try:
+            while True:
+                req.tick.wait(5.0)
+                req.tick.clear()
+                done = req.done.is_set()          # read before the count: once done, the count is final
+                n = min(len(req.output_ids), len(req.logprobs)) if req.return_logprob else len(req.output_ids)
+                if done and req.finish and req.finish.get("status_code") == 500:
+                    self._chunk(b"data: " + json.dumps({"error": {"message": req.finish["message"]}}).encode()
+                                + b"\n\n")
+                    break
+                if n > sent or done:
+                    self._chunk(b"data: " + json.dumps(eng.result(req, n)).encode() + b"\n\n")
+                    sent = n
+                if done:
+                    break
+            self._chunk(b"data: [DONE]\n\n")
+            self._chunk(b"")
+        except (BrokenPipeError, ConnectionResetError):
+            eng.abort(req.rid, message="client disconnected")
+            raise
 
     def abort_request(self, body):
         self.engine.abort(body.get("rid"), bool(body.get("abort_all")))
@@ -679,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-version", default=None, help="version tag of the initial weights")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="seeded sampling keyed by (sampling_seed, token position), as SGLang's flag")
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-algorithm", default=None, choices=["suffix"],
                    help="WAR: lossless suffix speculation over completed trajectories (default: off)")
@@ -700,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from ..war.speculative import SpecConfig
         spec = SpecConfig(budget=args.speculative_num_draft_tokens, feed=args.speculative_corpus)
-    engine = EmbeddedEngine(args.model_path, args.weight_version, args.threads, speculative=spec)
+    engine = EmbeddedEngine(args.model_path, args.weight_version, args.threads, speculative=spec,
+                            deterministic=args.enable_deterministic_inference)
     httpd = serve(engine, args.host, args.port)
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, httpd), daemon=True).start()

@@ -197,6 +197,96 @@ class HttpEngine:
                           weight_version=meta.get("weight_version"), prompt_tokens=int(meta.get("prompt_tokens") or 0),
                           cached_tokens=int(meta.get("cached_tokens") or 0), latency_s=latency)
 
+    def generate_stream(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None,
+                        on_tokens=None, timeout: float | None = None) -> Generation:
+        """``POST /generate`` with ``"stream": true``: like :meth:`generate`, but the tokens arrive
+        as server-sent events and ``on_tokens(ids, logprobs)`` is called with each new piece as it
+        arrives (before the call returns), so a caller can log what was generated before a failure.
+
+        One attempt, no retries (a stream cannot be replayed): a refused connection, a reset, a
+        stream that ends before its last event (server killed) or no event for ``timeout`` seconds
+        (default: the client's ``timeout``) raise :class:`EngineError`; the tokens already passed to
+        ``on_tokens`` stay valid. Both SGLang stream forms are read: cumulative ``output_ids`` (the
+        default) and deltas (``--incremental-streaming-output``), told apart by
+        ``meta_info.completion_tokens``.
+        """
+        rid = rid or uuid.uuid4().hex
+        body = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling.to_sglang(),
+                "return_logprob": True, "rid": rid, "stream": True}
+        timeout = self.timeout if timeout is None else float(timeout)
+        t0 = time.perf_counter()
+        out: list[int] = []
+        lps: list[float] = []
+        meta: dict = {}
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request("POST", "/generate", body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                raise EngineError(f"{self.url}/generate (stream): {_HttpStatus(resp.status, resp.read()).reason()}")
+            finished = False
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    finished = True
+                    break
+                try:
+                    d = json.loads(data)
+                except ValueError:
+                    raise EngineError(f"{self.url}/generate (stream): bad event {data[:200]!r}") from None
+                if "error" in d:
+                    err = d["error"]
+                    raise EngineError(f"{self.url}/generate (stream): "
+                                      f"{err.get('message') if isinstance(err, dict) else err}")
+                meta = d.get("meta_info") or {}
+                ids = [int(t) for t in d.get("output_ids") or []]
+                new_lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+                total = int(meta.get("completion_tokens", len(out) + len(ids)))
+                if len(ids) == total and total >= len(out):          # cumulative: keep the new tail
+                    if ids[:len(out)] != out:
+                        raise EngineError(f"{self.url}/generate (stream): cumulative output changed (rid {rid})")
+                    ids = ids[len(out):]
+                if len(new_lps) == total and total >= len(lps):
+                    new_lps = new_lps[len(lps):]
+                if len(new_lps) != len(ids):
+                    raise EngineError(f"{self.url}/generate (stream): {len(ids)} new ids but {len(new_lps)} "
+                                      f"log-probs (rid {rid})")
+                if ids:
+                    out += ids
+                    lps += new_lps
+                    if on_tokens is not None:
+                        on_tokens(ids, new_lps)
+                fr = meta.get("finish_reason")
+                if fr:
+                    finished = True        # SGLang may close right after the last event
+            if not finished:
+                raise EngineError(f"{self.url}/generate (stream): stream ended after {len(out)} tokens without "
+                                  f"its last event (server gone?)")
+        except EngineError:
+            self._abort_quietly(rid)
+            raise
+        except (socket.timeout, TimeoutError) as e:
+            self._abort_quietly(rid)
+            raise EngineError(f"{self.url}/generate (stream): no event within {timeout:g} s "
+                              f"after {len(out)} tokens") from e
+        except (OSError, http.client.HTTPException) as e:
+            self._abort_quietly(rid)
+            raise EngineError(f"{self.url}/generate (stream): {type(e).__name__}: {e} after {len(out)} tokens") from e
+        finally:
+            conn.close()
+        fr = meta.get("finish_reason")
+        reason = fr.get("type") if isinstance(fr, dict) else (fr or "unknown")
+        return Generation(output_ids=out, logprobs=lps, finish_reason=str(reason),
+                          weight_version=meta.get("weight_version"), prompt_tokens=int(meta.get("prompt_tokens") or 0),
+                          cached_tokens=int(meta.get("cached_tokens") or 0), latency_s=time.perf_counter() - t0)
+
     def _abort_quietly(self, rid: str) -> None:
         try:
             self._call("POST", "/abort_request", {"rid": rid}, timeout=5.0, retries=0)

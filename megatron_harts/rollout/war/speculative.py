@@ -173,10 +173,11 @@ class SpecDecoder:
                     if t in req.stop_ids:
                         emitted = emitted[:j + 1]
                         break
-                req.output_ids += emitted
-                if req.return_logprob:
+                if req.return_logprob:            # log-probs first: a streaming reader takes min(len) of both
                     lp = torch.log_softmax(rows[:len(emitted)], -1)
                     req.logprobs += lp.gather(1, torch.tensor(emitted)[:, None])[:, 0].tolist()
+                req.output_ids += emitted
+                req.tick.set()
                 eng.tokens_generated += len(emitted)
                 ctx.extend(emitted)
                 req.spec_steps += 1

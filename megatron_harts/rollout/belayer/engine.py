@@ -1,0 +1,522 @@
+"""Engine-worker fault tolerance: a token log, resumable requests, shadow workers and a supervisor.
+
+Pieces (each behind the :class:`~megatron_harts.rollout.types.Engine` protocol or a narrow one):
+
+* :class:`TokenLog`: per request, the prompt, the sampling parameters and every generated token
+  with its log-prob and arrival time, appended as the engine streams them (optionally also to a
+  JSONL write-ahead file). What was logged is never rewritten.
+* :class:`Supervisor`: owns the engine servers it starts (``start_server(model_path, version)`` ->
+  a :class:`~megatron_harts.rollout.engines.launch._ServerProcess`): ``num_active`` serving
+  slots and ``num_shadows`` pre-started *shadow* workers, already loaded and kept at the current
+  weight version (:meth:`Supervisor.update_weights_from_disk` goes to every worker, shadows
+  included, and a shadow started later comes up on the newest checkpoint). A monitor thread checks
+  each active worker every ``health_interval_s`` (process exit, ``GET /health``); a client that
+  sees a connection error reports it (:meth:`Supervisor.failover`). A failed slot gets a shadow
+  (promotion: a pointer swap, milliseconds), the dead server is reaped and a new shadow is started
+  in the background. With no shadow ready the slot waits for one being started, or cold-starts a
+  server (the baseline).
+* :class:`ResumableEngine`: the ``Engine`` the agent loop sees for one slot. ``generate`` streams
+  (``HttpEngine.generate_stream``), logging tokens as they arrive; when the worker fails mid-request
+  it continues on the slot's replacement with ``input_ids = prompt + generated so far`` and
+  ``max_new_tokens = budget - generated``: the KV cache is rebuilt by one prefill and no generated
+  token (or its log-prob) is lost or changed. With the engines' deterministic sampling (SGLang's
+  and the embedded engine's ``--enable-deterministic-inference``: draws keyed by seed and token
+  position) the continuation is the one the dead worker would have produced.
+
+Times are ``time.monotonic()`` seconds; token ids are the engine's vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..engines.http import HttpEngine
+from ..types import EngineError, Generation, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------ the log
+@dataclass
+class Segment:
+    """One engine attempt of a request: which worker, from which output offset, when it started,
+    when its first token arrived, how many tokens it added and how it ended (``error`` or None)."""
+
+    worker: str
+    offset: int
+    t_start: float
+    t_first: float | None = None
+    tokens: int = 0
+    error: str | None = None
+    weight_version: str | None = None
+
+
+@dataclass
+class RequestRecord:
+    """The log of one request: ``prompt`` ``[P]``, ``output_ids`` / ``logprobs`` / ``times``
+    ``[n]`` (token, its log-prob, its arrival time), the attempts (``segments``) and the end."""
+
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    finish_reason: str | None = None
+    t_submit: float = field(default_factory=time.monotonic)
+
+    @property
+    def resumed(self) -> bool:
+        return any(s.error for s in self.segments)
+
+
+class TokenLog:
+    """Thread-safe request records, keyed by rid; ``path``: also append each event as a JSON line
+    (``{"rid", "prompt"}`` once, then ``{"rid", "ids", "logprobs"}`` per streamed piece and
+    ``{"rid", "finish"}``) so a restarted client could resume from the file (not done here: the
+    records of this process are what :class:`ResumableEngine` resumes from)."""
+
+    def __init__(self, path: str | None = None, keep: int = 100_000):
+        self._lock = threading.Lock()
+        self.records: dict[str, RequestRecord] = {}
+        self._order: deque[str] = deque()
+        self.keep = keep
+        self._file = open(path, "a", buffering=1) if path else None
+
+    def open(self, rid: str, prompt: Sequence[int], sampling: SamplingParams) -> RequestRecord:
+        rec = RequestRecord(rid, [int(t) for t in prompt], sampling)
+        with self._lock:
+            if rid in self.records:
+                raise ValueError(f"request id {rid} is already in the token log")
+            self.records[rid] = rec
+            self._order.append(rid)
+            while len(self._order) > self.keep:
+                self.records.pop(self._order.popleft(), None)
+            if self._file:
+                self._file.write(json.dumps({"rid": rid, "prompt": rec.prompt}) + "\n")
+        return rec
+
+    def append(self, rec: RequestRecord, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            rec.output_ids += [int(t) for t in ids]
+            rec.logprobs += [float(x) for x in logprobs]
+            rec.times += [now] * len(ids)
+            if self._file:
+                self._file.write(json.dumps({"rid": rec.rid, "ids": list(ids), "logprobs": list(logprobs)}) + "\n")
+
+    def finish(self, rec: RequestRecord, reason: str) -> None:
+        with self._lock:
+            rec.finish_reason = reason
+            if self._file:
+                self._file.write(json.dumps({"rid": rec.rid, "finish": reason}) + "\n")
+
+    def resumed(self) -> list[RequestRecord]:
+        with self._lock:
+            return [r for r in self.records.values() if r.resumed]
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+
+
+# ---------------------------------------------------------------------------------- supervisor
+@dataclass
+class Worker:
+    """One started server and its client. ``version``: the weight version it serves."""
+
+    server: Any
+    engine: HttpEngine
+    version: str | None
+    started_s: float
+    name: str
+
+
+@dataclass
+class FailoverEvent:
+    """A worker failure handled by the supervisor: ``t_detect`` (when it was reported or seen),
+    ``t_ready`` (when the slot had a live replacement), ``how`` (``shadow``, ``cold`` start,
+    ``transient``: the worker was healthy after all), ``cause``."""
+
+    slot: int
+    failed: str
+    replacement: str
+    how: str
+    cause: str
+    t_detect: float
+    t_ready: float
+
+    @property
+    def seconds(self) -> float:
+        return self.t_ready - self.t_detect
+
+
+class Supervisor:
+    """Active workers, shadow workers, failure detection and promotion (see the module doc).
+
+    ``start_server(model_path, version)``: starts one server and returns it once healthy (e.g.
+    ``lambda p, v: EmbeddedServer(p, weight_version=v).start()``; anything with ``engine()``,
+    ``alive()``, ``stop()``, ``url``); ``num_active``: serving slots; ``num_shadows``: shadows
+    kept ready (0: failures are recovered by a cold start, the baseline); ``health_interval_s``:
+    the monitor's period (0: no monitor thread, failures found by clients only);
+    ``engine_kw``: :class:`HttpEngine` keywords for the clients.
+    """
+
+    def __init__(self, start_server: Callable[[str, str | None], Any], model_path: str, version: str | None = None,
+                 *, num_active: int = 1, num_shadows: int = 1, health_interval_s: float = 0.5,
+                 engine_kw: dict | None = None, failover_timeout_s: float = 600.0):
+        if num_active < 1 or num_shadows < 0:
+            raise ValueError(f"Supervisor needs num_active >= 1 and num_shadows >= 0, got {num_active}, {num_shadows}")
+        self._start_server = start_server
+        self.model_path, self.version = str(model_path), version
+        self.num_active, self.num_shadows = num_active, num_shadows
+        self.health_interval_s = float(health_interval_s)
+        self.engine_kw = dict(engine_kw or {"timeout": 120.0, "retries": 0})
+        self.failover_timeout_s = float(failover_timeout_s)
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self.slots: list[Worker | None] = [None] * num_active
+        self.shadows: deque[Worker] = deque()
+        self._starting = 0                 # shadows being started in the background
+        self.events: list[FailoverEvent] = []
+        self.cold_starts: list[float] = []  # seconds of every server start (shadows and cold)
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="belayer-sup")
+        self._monitor: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def _new_worker(self) -> Worker:
+        with self._lock:
+            path, version = self.model_path, self.version
+        t0 = time.monotonic()
+        server = self._start_server(path, version)
+        secs = time.monotonic() - t0
+        w = Worker(server, server.engine(**self.engine_kw), version, secs, f"w{next(self._ids)}@{server.url}")
+        with self._lock:
+            self.cold_starts.append(secs)
+            stale = self.version != version
+        if stale:                          # a weight update happened while it started
+            self._update_worker(w, self.model_path, self.version)
+        log.info("belayer: worker %s up in %.2f s (weights %s)", w.name, secs, w.version)
+        return w
+
+    def start(self) -> "Supervisor":
+        """Start the active workers and the shadows (in parallel) and the monitor."""
+        n = self.num_active + self.num_shadows
+        workers = list(self._pool.map(lambda _: self._new_worker(), range(n)))
+        with self._lock:
+            self.slots = workers[:self.num_active]
+            self.shadows.extend(workers[self.num_active:])
+        if self.health_interval_s > 0:
+            self._monitor = threading.Thread(target=self._watch, name="belayer-monitor", daemon=True)
+            self._monitor.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the monitor and every server."""
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(5.0)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            workers = [w for w in self.slots if w is not None] + list(self.shadows)
+            self.slots, self.shadows = [None] * self.num_active, deque()
+        for w in workers:
+            self._stop_quietly(w)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @staticmethod
+    def _stop_quietly(w: Worker) -> None:
+        try:
+            w.server.stop()
+        except Exception as e:       # noqa: BLE001 - best effort on a dead server
+            log.debug("stopping %s: %s", w.name, e)
+
+    # -- serving --------------------------------------------------------------------------------
+    def engine(self, slot: int) -> HttpEngine:
+        """The client of the worker serving ``slot`` now (waits while the slot is being replaced)."""
+        with self._cv:
+            deadline = time.monotonic() + self.failover_timeout_s
+            while self.slots[slot] is None:
+                if not self._cv.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
+                    raise EngineError(f"belayer: slot {slot} has no worker after {self.failover_timeout_s:g} s")
+            return self.slots[slot].engine
+
+    def worker(self, slot: int) -> Worker | None:
+        with self._lock:
+            return self.slots[slot]
+
+    def _healthy(self, w: Worker, timeout: float = 2.0) -> bool:
+        alive = getattr(w.server, "alive", None)
+        if alive is not None and not alive():
+            return False
+        return w.engine.alive(timeout=timeout)
+
+    def failover(self, slot: int, failed_engine: HttpEngine | None, cause: str) -> HttpEngine:
+        """Called when ``failed_engine`` (the slot's client a request used) failed: if the slot
+        already has another worker, return it; if the worker is in fact healthy (a transient
+        error), keep it; else replace it by a shadow (or a cold start) and return the new client."""
+        t_detect = time.monotonic()
+        with self._cv:
+            w = self.slots[slot]
+            if w is None or (failed_engine is not None and w.engine is not failed_engine):
+                claimed = None                     # being replaced, or replaced already
+            else:
+                claimed, self.slots[slot] = w, None      # claim the replacement
+        if claimed is None:
+            return self.engine(slot)
+        if self._healthy(claimed, timeout=1.0):  # a transient error: keep the worker
+            with self._cv:
+                self.slots[slot] = claimed
+                self._cv.notify_all()
+            self.events.append(FailoverEvent(slot, claimed.name, claimed.name, "transient", cause, t_detect,
+                                             time.monotonic()))
+            return claimed.engine
+        return self._replace(slot, claimed, cause, t_detect).engine
+
+    def _replace(self, slot: int, failed: Worker, cause: str, t_detect: float) -> Worker:
+        self._pool.submit(self._stop_quietly, failed)          # reap the dead server in the background
+        with self._cv:
+            new = self.shadows.popleft() if self.shadows else None
+            waiting_for_shadow = new is None and self._starting > 0
+        how = "shadow"
+        if new is None and waiting_for_shadow:                 # one is starting: wait for it
+            with self._cv:
+                deadline = time.monotonic() + self.failover_timeout_s
+                while not self.shadows and self._starting > 0 and time.monotonic() < deadline:
+                    self._cv.wait(0.5)
+                new = self.shadows.popleft() if self.shadows else None
+            how = "shadow (waited)"
+        if new is None:                                        # no shadow: cold start (the baseline)
+            new = self._new_worker()
+            how = "cold"
+        with self._cv:
+            self.slots[slot] = new
+            self._cv.notify_all()
+        ev = FailoverEvent(slot, failed.name, new.name, how, cause, t_detect, time.monotonic())
+        self.events.append(ev)
+        log.warning("belayer: slot %d: %s failed (%s); %s now serves it (%s, %.3f s)", slot, failed.name, cause,
+                    new.name, how, ev.seconds)
+        self._refill()
+        return new
+
+    def _refill(self) -> None:
+        """Start shadows in the background until ``num_shadows`` are ready or starting."""
+        with self._cv:
+            need = self.num_shadows - len(self.shadows) - self._starting
+            if self._stop.is_set() or need <= 0:
+                return
+            self._starting += need
+        for _ in range(need):
+            self._pool.submit(self._start_shadow)
+
+    def _start_shadow(self) -> None:
+        try:
+            w = self._new_worker()
+        except Exception as e:          # noqa: BLE001 - logged; the next failure retries
+            log.error("belayer: starting a shadow failed: %s", e)
+            with self._cv:
+                self._starting -= 1
+                self._cv.notify_all()
+            return
+        with self._cv:
+            self._starting -= 1
+            if self._stop.is_set():
+                stop = True
+            else:
+                stop = False
+                self.shadows.append(w)
+            self._cv.notify_all()
+        if stop:
+            self._stop_quietly(w)
+
+    def _watch(self) -> None:
+        """Monitor: an active worker whose process exited or whose ``/health`` fails is replaced
+        (proactively: before a client trips over it)."""
+        while not self._stop.wait(self.health_interval_s):
+            for slot in range(self.num_active):
+                w = self.worker(slot)
+                if w is None:
+                    continue
+                alive = getattr(w.server, "alive", None)
+                dead = alive is not None and not alive()
+                if not dead and not w.engine.alive(timeout=2.0):
+                    dead = not w.engine.alive(timeout=2.0)        # twice: one slow reply is not a failure
+                if dead and not self._stop.is_set():
+                    self.failover(slot, w.engine, "monitor: process exited" if alive and not alive()
+                                  else "monitor: /health failed")
+
+    # -- weights --------------------------------------------------------------------------------
+    def _update_worker(self, w: Worker, path: str, version: str | None) -> None:
+        if w.version == version:
+            return
+        w.engine.update_weights_from_disk(path, version)
+        w.version = version
+
+    def update_weights_from_disk(self, path: str, version: str) -> float:
+        """Load ``path`` (tagged ``version``) on every active and shadow worker (in parallel);
+        shadows started later come up on it. Returns wall seconds. Idempotent per version."""
+        t0 = time.monotonic()
+        with self._lock:
+            self.model_path, self.version = str(path), version
+            workers = [w for w in self.slots if w is not None] + list(self.shadows)
+        errors = []
+        for w, f in [(w, self._pool.submit(self._update_worker, w, str(path), version)) for w in workers]:
+            try:
+                f.result()
+            except Exception as e:     # noqa: BLE001 - a dead worker is the monitor's business
+                errors.append(f"{w.name}: {e}")
+        if errors:
+            log.warning("belayer: weight update to %s failed on %s", version, errors)
+        return time.monotonic() - t0
+
+    def versions(self) -> dict[str, str | None]:
+        with self._lock:
+            return {w.name: w.version for w in [*self.slots, *self.shadows] if w is not None}
+
+
+# --------------------------------------------------------------------------- resumable engine
+class ResumableEngine:
+    """The :class:`~megatron_harts.rollout.types.Engine` of one supervisor slot, with requests
+    that survive the worker (see the module doc).
+
+    ``resume``: ``"prefix"`` (continue from prompt + logged tokens: Belayer) or ``"restart"``
+    (abort and resubmit from scratch on the replacement: the baseline; the logged tokens are
+    discarded); ``max_failovers``: per request; ``break_recovery``: only for proving the checker
+    (``"drop_token"``: the resumed request forgets the last logged token); never set otherwise.
+    """
+
+    def __init__(self, supervisor: Supervisor, slot: int = 0, log: TokenLog | None = None, *,
+                 resume: str = "prefix", max_failovers: int = 3, break_recovery: str | None = None):
+        if resume not in ("prefix", "restart"):
+            raise ValueError(f"resume must be 'prefix' or 'restart', got {resume!r}")
+        self.sup, self.slot = supervisor, slot
+        self.log = log or TokenLog()
+        self.mode, self.max_failovers, self.break_recovery = resume, max_failovers, break_recovery
+        self.name = f"belayer[{slot}]"
+        self._rid = itertools.count()
+        self._active: dict[str, tuple[RequestRecord, HttpEngine, str]] = {}
+        self._aborted: set[str] = set()
+        self._lock = threading.Lock()
+
+    def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None) -> Generation:
+        rid = rid or f"belayer-{id(self):x}-{next(self._rid)}"
+        rec = self.log.open(rid, input_ids, sampling)
+        stops = set(sampling.stop_token_ids)
+        errors: list[str] = []
+        dropped: set[int] = set()          # only with break_recovery="drop_token"
+        t0 = time.perf_counter()
+        gen: Generation | None = None
+        for attempt in range(self.max_failovers + 1):
+            n = len(rec.output_ids)
+            if n and (rec.output_ids[-1] in stops):
+                reason = "stop"
+                break
+            if n >= sampling.max_new_tokens:
+                reason = "length"
+                break
+            engine = self.sup.engine(self.slot)
+            seg = Segment(engine.name, n, time.monotonic())
+            rec.segments.append(seg)
+            sp = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - n)
+
+            def on_tokens(ids, lps, seg=seg):
+                if seg.t_first is None:
+                    seg.t_first = time.monotonic()
+                seg.tokens += len(ids)
+                self.log.append(rec, ids, lps)
+
+            sub_rid = f"{rid}.{attempt}"
+            with self._lock:
+                if rid in self._aborted:
+                    reason = "abort"
+                    break
+                self._active[rid] = (rec, engine, sub_rid)
+            try:
+                gen = engine.generate_stream(rec.prompt + rec.output_ids, sp, rid=sub_rid, on_tokens=on_tokens)
+                seg.weight_version = gen.weight_version
+                if gen.finish_reason == "abort" and rid not in self._aborted:
+                    raise EngineError(f"{engine.name}: request aborted by the engine")
+                reason = gen.finish_reason
+                break
+            except EngineError as e:
+                seg.error = str(e)
+                errors.append(str(e))
+                if rid in self._aborted:
+                    reason = "abort"
+                    break
+                log.warning("belayer: %s failed on %s after %d tokens (%s); failing over", rid, engine.name,
+                            len(rec.output_ids), e)
+                self.sup.failover(self.slot, engine, str(e))
+                if self.mode == "restart":           # baseline: throw the logged tokens away
+                    with self.log._lock:
+                        del rec.output_ids[:], rec.logprobs[:], rec.times[:]
+                elif self.break_recovery == "drop_token" and rec.output_ids:
+                    dropped.add(len(rec.output_ids) - 1)   # deliberately broken: lose the last logged token
+            finally:
+                with self._lock:
+                    self._active.pop(rid, None)
+        else:
+            raise EngineError(f"belayer: {rid} failed {self.max_failovers + 1} times: " + "; ".join(errors))
+        with self._lock:
+            self._aborted.discard(rid)
+        self.log.finish(rec, reason)
+        version = gen.weight_version if gen is not None else (rec.segments[-1].weight_version if rec.segments else None)
+        keep = [i for i in range(len(rec.output_ids)) if i not in dropped]
+        return Generation(output_ids=[rec.output_ids[i] for i in keep], logprobs=[rec.logprobs[i] for i in keep],
+                          finish_reason=reason,
+                          weight_version=version, prompt_tokens=len(input_ids), latency_s=time.perf_counter() - t0)
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            self._aborted.add(rid)
+            active = self._active.get(rid)
+        if active is not None:
+            active[1].abort(active[2])
+
+    def load(self) -> dict[str, Any]:
+        return self.sup.engine(self.slot).load()
+
+    def health(self, timeout: float = 5.0) -> bool:
+        return self.sup.engine(self.slot).health(timeout)
+
+    def update_weights_from_disk(self, path: str, version: str) -> float:
+        """Every worker of the supervisor (actives and shadows) loads ``path``."""
+        return self.sup.update_weights_from_disk(path, version)
+
+    def weight_version(self) -> str | None:
+        return self.sup.engine(self.slot).weight_version()
+
+    def flush_cache(self) -> None:
+        self.sup.engine(self.slot).flush_cache()
+
+    def release_memory(self) -> None:
+        self.sup.engine(self.slot).release_memory()
+
+    def resume_memory(self) -> None:
+        self.sup.engine(self.slot).resume_memory()
+
+    def pause(self) -> None:
+        self.sup.engine(self.slot).pause()
+
+    def resume(self) -> None:
+        self.sup.engine(self.slot).resume()
+
+    def __repr__(self) -> str:
+        return f"ResumableEngine(slot={self.slot}, resume={self.mode!r})"
