@@ -162,8 +162,13 @@ def _env_factory(registry, *, hide_cut=False, lose_before_turn=None):
     (checkpoints every 2 turns, so a restore can go back a turn). ``lose_before_turn``: the
     deterministic fault of the cut tests (the sandbox is destroyed before that action, once)."""
 
-    def make_inner(task):
-        return QuotedLookup(int(task), seed=0, max_turns=4, limits=SandboxLimits(timeout_s=1.0))
+    def make_inner(task, timeout_s=2.0):
+        return QuotedLookup(int(task), seed=0, max_turns=4, limits=SandboxLimits(timeout_s=timeout_s))
+
+    def make_replay(task):
+        # the checker's fresh environments: a `cat` must not time out on a loaded CI core
+        # (a 1 s limit did, and the replay then disagreed with a correct trajectory)
+        return make_inner(task, timeout_s=30.0)
 
     def factory(task):
         odd = int(task) % 2 == 1
@@ -183,7 +188,7 @@ def _env_factory(registry, *, hide_cut=False, lose_before_turn=None):
                   break_recovery="no_cut" if hide_cut else None)
         registry.append(env)
         return env
-    return factory, make_inner
+    return factory, make_replay
 
 
 def _rollout(sup, registry, **kw):
