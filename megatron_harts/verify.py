@@ -52,11 +52,27 @@ by multiplicity on the tree side; their gradients enter the backward (Megatron's
 ``MoEAuxLossAutoScaler``), and the logged router losses (``moe_losses_rel_diff``) and per-expert
 token counts of the expert-bias update (``moe_counts_rel_diff``) are gated too.
 
+Plan checks (exact, no floating point; gate 0): the derived plans that the layers read from the tree
+pack are checked against the trajectories themselves (:func:`plan_errors`): ``plan/attention_mask``
+(rows of the attention mask the kernel will use, the FlexAttention block mask's ``mask_mod`` on CUDA
+and the dense SDPA mask on CPU, that do not allow exactly the token's own trajectory prefix),
+``plan/positions`` (RoPE positions that are not the token's position in its trajectories) and,
+with MoE layers, ``plan/moe_multiplicity`` (router token weights that are not the number of
+trajectories through the token). A bf16 run on random weights cannot see one wrongly visible token
+among a thousand ancestors; these can. ``numeric_margin`` is the margin of the numeric gates alone.
+``max_logprob_abs_diff_branch`` is the log-prob difference over the :data:`BRANCH_WINDOW` entries
+from each token that starts a branch (where mask, state-handoff and position bugs show first),
+gated like the other log-probs. On CUDA the default batch adds short-prefix probe groups
+(:data:`PROBE`), where one wrongly visible token carries a noticeable share of attention.
+
 ``--mutant NAME`` (``megatron_harts.verify_mutants``: ``sibling_visible``, ``state_handoff_dropped``,
 ``position_off_by_one``, ``moe_multiplicity_ignored``) runs the tree side on a deliberately broken
 pack, a self-test of the checker: verify must then exit 1, and its margin says by how much the
 gate rejected the broken tree (CPU margins: ``docs/benchmarks/verify_mutants.md``). A mutant the
-workload cannot show (no branch point, no handoff, no layer it touches) exits 2.
+workload cannot show (no branch point, no handoff, no layer it touches) exits 2. ``--mutant all``
+runs the baseline sides once, then the tree side unmutated and with every mutant the pattern can
+show, and prints one JSON line ``{"unmutated": {...}, "mutants": {name: {...}}, "all_rejected"}``:
+exit 0 only when the unmutated tree passes and every mutant is rejected.
 
 Without ``--trajectories`` a synthetic agentic batch is used (small on CPU; 2 groups x 8 samples,
 56K tokens, on CUDA, where the 1.5b model always recomputes activations: the baseline side runs the
@@ -66,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import faulthandler
 import json
 import math
@@ -102,6 +119,13 @@ MOE_OBJECTIVES = dict(moe_router_score_function="sigmoid", moe_router_enable_exp
                       moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
                       moe_aux_loss_coeff=[0.1, 0.1, 0.1], moe_z_loss_coeff=1e-2)
 CPU_TOL = {"float32": (1e-5, 5e-4), "float64": (1e-6, 1e-6)}     # (--tol, --decay-tol) defaults
+#: Log-prob entries gated separately from each token that starts a branch on (``max_logprob_abs_diff_branch``).
+BRANCH_WINDOW = 8
+#: CUDA default batch: probe groups beside the long agentic batch. Short prompts and turns, so the
+#: first token after a branch has 10-40 ancestors and one wrongly visible token carries a share of
+#: its attention that bf16 noise cannot hide (behind 500-1500-token prompts it carries 1/1000).
+PROBE = AgenticConfig(num_groups=4, group_size=8, turns=(2, 4), vocab_size=32768, prompt_tokens=(4, 12),
+                      assistant_tokens=(4, 12), tool_tokens_median=6, tool_tokens_max=16, id_prefix="probe")
 
 
 def param_class(name: str) -> str:
@@ -117,6 +141,86 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
 
 
+def _trajectory_positions(p) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(traj_index [sum L], t [sum L])``: every trajectory token's compact index and its position in
+    its trajectory, from ``traj_cu_seqlens`` alone (not from the pack's ``position_ids``)."""
+    idx, cu = p.traj_index, p.traj_cu_seqlens
+    lens = cu[1:] - cu[:-1]
+    t = torch.arange(idx.numel(), device=idx.device) - torch.repeat_interleave(cu[:-1], lens)
+    return idx, t
+
+
+def _mask_of(p):
+    """``allowed(q [R, 1], kv [1, C]) -> bool [R, C]`` of the attention mask the tree pack's
+    attention layers use (cached on the pack, so a swapped plan is what gets checked), over
+    ``flex_length`` columns on CUDA."""
+    if p.device.type == "cuda":
+        from .ops.attention import block_mask, flex_length
+        bm = block_mask(p)
+        zero = torch.zeros((), dtype=torch.long, device=p.device)
+        return (lambda q, kv: bm.mask_mod(zero, zero, q, kv)), flex_length(p.num_tokens)
+    from .ops.attention import ancestor_mask
+    m = ancestor_mask(p)
+    return (lambda q, kv: m[q, kv]), p.num_tokens
+
+
+def plan_errors(p, block_rows: int = 1024) -> dict[str, int]:
+    """Exact checks of the tree pack's derived plans against its trajectories (integers, gate 0):
+
+    * ``plan/attention_mask``: compact tokens whose mask row does not allow exactly their trajectory
+      prefix: every ``(traj_index[t], traj_index[s])``, ``s <= t``, allowed, and the row allows
+      ``t + 1`` tokens in all (``[block_rows, C]`` at a time; C = padded columns on CUDA);
+    * ``plan/positions``: compact tokens whose RoPE position differs from their trajectory position;
+    * ``plan/moe_multiplicity`` (only when the router's weights are cached on the pack, i.e. after an
+      ``E`` layer ran or a mutant built them): tokens whose router weight is not the number of
+      trajectories through them.
+    """
+    idx, t = _trajectory_positions(p)
+    T, dev = p.num_tokens, p.device
+    depth = torch.full((T,), -1, dtype=torch.long, device=dev)
+    depth[idx] = t
+    bad = torch.zeros(T, dtype=torch.bool, device=dev)
+    allowed, C = _mask_of(p)
+    cols = torch.arange(C, device=dev)
+    for r0 in range(0, T, block_rows):
+        rows = torch.arange(r0, min(T, r0 + block_rows), device=dev)
+        bad[rows] |= allowed(rows[:, None], cols[None, :]).sum(1) != depth[rows] + 1
+    cu = p.traj_cu_seqlens.tolist()
+    for i in range(len(cu) - 1):
+        ti = idx[cu[i]:cu[i + 1]]
+        for r0 in range(0, ti.numel(), block_rows):
+            q = ti[r0:r0 + block_rows]
+            tril = torch.arange(ti.numel(), device=dev)[None, :] <= torch.arange(r0, r0 + q.numel(), device=dev)[:, None]
+            bad[q] |= (tril & ~allowed(q[:, None], ti[None, :])).any(1)
+    out = {"plan/attention_mask": int(bad.sum()),
+           "plan/positions": int(torch.unique(idx[p.position_ids[idx] != t]).numel())}
+    key = ("moe_multiplicity", str(dev))
+    if key in p._cache:
+        want = torch.bincount(idx, minlength=T).to(torch.float32)
+        out["plan/moe_multiplicity"] = int((p._cache[key] != want).sum())
+    return out
+
+
+def branch_windows(p, window: int = BRANCH_WINDOW) -> list[torch.Tensor]:
+    """Per trajectory of the tree pack ``p`` (pack order), bool ``[L_i - 1]`` over its log-prob
+    entries: the ``window`` entries from every token that starts a branch (its parent has >= 2
+    children) on. Entry ``j`` is the model's output at token ``j``, so a wrongly visible token,
+    a dropped state or a shifted position at a branch shows there first."""
+    parent = p.parent.cpu()
+    T = p.num_tokens
+    kids = torch.bincount(parent[parent >= 0], minlength=T)
+    starts = torch.zeros(T, dtype=torch.bool)
+    has = parent >= 0
+    starts[has] = kids[parent[has]] >= 2
+    idx, cu = p.traj_index.cpu(), p.traj_cu_seqlens.cpu().tolist()
+    out = []
+    for i in range(len(cu) - 1):
+        c = torch.cumsum(starts[idx[cu[i]:cu[i + 1]]].long(), 0)
+        lagged = torch.cat([torch.zeros(window, dtype=torch.long), c])[:c.numel()]
+        out.append((c - lagged > 0)[:-1])
+    return out
+
+
 def backward(model, logprobs: list[torch.Tensor], weights: list[torch.Tensor]):
     """loss = sum_i <logprobs_i, weights_i>; backward; returns (loss, {param name: grad})."""
     model.zero_grad(set_to_none=True)
@@ -125,13 +229,16 @@ def backward(model, logprobs: list[torch.Tensor], weights: list[torch.Tensor]):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def run_packed(model, trees, layout, weights, chunk_size: int, device: str = "cpu", transform=None):
+def run_packed(model, trees, layout, weights, chunk_size: int, device: str = "cpu", transform=None,
+               keep: dict | None = None):
     """``model`` on ``layout(trees)`` (``pack`` or ``pack_trajectories``; ``transform``, if given,
     maps the pack first: a mutant): per-trajectory log-probs ``[L_i - 1]`` (detached, fp32 or
-    wider), loss, grads."""
+    wider), loss, grads. ``keep["pack"]`` (if given) gets the device pack the model ran on."""
     p = layout(trees, chunk_size=chunk_size).to(device)
     if transform is not None:
         p = transform(p)
+    if keep is not None:
+        keep["pack"] = p
     logits = model(p.tokens[None], p.position_ids[None], None, packed_seq_params=tree_packed_seq_params(p))
     lps = [lp.to(torch.promote_types(lp.dtype, torch.float32)) for lp in tree_token_logprobs(logits[0], p)]
     return [lp.detach() for lp in lps], *backward(model, lps, [w.to(device) for w in weights])
@@ -175,19 +282,20 @@ def _moe_stats(model) -> dict | None:
 
 
 def run_side(model, trees, layout, weights, chunk_size: int, device: str = "cpu", transform=None,
-             reverse: bool = False):
+             reverse: bool = False, keep: dict | None = None):
     """:func:`run_packed` (``reverse``: :func:`run_reversed`) with MoE counters reset before and read
     after: ``(log-probs, loss, grads, MoE stats or None)``."""
     _moe_reset(model)
     if reverse:
         out = run_reversed(model, trees, layout, weights, chunk_size, device)
     else:
-        out = run_packed(model, trees, layout, weights, chunk_size, device, transform)
+        out = run_packed(model, trees, layout, weights, chunk_size, device, transform, keep)
     return (*out, _moe_stats(model))
 
 
-def compare(got, want) -> dict:
-    """Differences of two ``run_packed`` / ``run_side`` results: log-probs absolute, loss and grads
+def compare(got, want, windows: list[torch.Tensor] | None = None) -> dict:
+    """Differences of two ``run_packed`` / ``run_side`` results: log-probs absolute (``windows``, if
+    given: also ``max_logprob_abs_diff_branch`` over :func:`branch_windows`), loss and grads
     relative (per parameter; ``per_class``: the largest of each :func:`param_class`), and with MoE
     stats the logged router losses and expert token counts (relative)."""
     grad_errs = {n: rel_diff(got[2][n], want[2][n]) for n in want[2]}
@@ -200,6 +308,10 @@ def compare(got, want) -> dict:
     out = {"max_logprob_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got[0], want[0]) if b.numel()),
            "loss_rel_diff": rel_diff(got[1], want[1]), "max_grad_rel_diff": grad_errs[worst],
            "worst_grad": worst, "max_grad_rel_diff_non_decay": worst_other, "per_class": per_class}
+    if windows is not None:
+        out["max_logprob_abs_diff_branch"] = max(
+            [float((a - b)[w.to(a.device)].abs().max()) for a, b, w in zip(got[0], want[0], windows) if w.any()],
+            default=0.0)
     moe, moe_want = (got[3], want[3]) if len(got) > 3 and len(want) > 3 else (None, None)
     if moe is not None and moe_want is not None:
         if moe["losses"].keys() != moe_want["losses"].keys():
@@ -212,7 +324,8 @@ def compare(got, want) -> dict:
 
 
 def _gated_keys(diff: dict) -> list[str]:
-    keys = ["max_logprob_abs_diff", "loss_rel_diff"]
+    keys = ["max_logprob_abs_diff"] + (["max_logprob_abs_diff_branch"] if "max_logprob_abs_diff_branch" in diff else [])
+    keys += ["loss_rel_diff"]
     keys += [f"grad/{c}" for c in diff["per_class"]] if "per_class" in diff else ["max_grad_rel_diff"]
     return keys + [k for k in ("moe_losses_rel_diff", "moe_counts_rel_diff") if k in diff]
 
@@ -224,7 +337,8 @@ def _value(diff: dict, key: str) -> float:
 def cpu_gates(diff: dict, tol: float, decay_tol: float, logprob_scale: float) -> dict[str, tuple[float, float]]:
     """``{key: (difference, gate)}`` of the CPU check: log-probs within ``tol * logprob_scale``, the
     decay class within ``decay_tol``, everything else within ``tol``."""
-    bar = {"max_logprob_abs_diff": tol * logprob_scale, "grad/decay": decay_tol}
+    bar = {"max_logprob_abs_diff": tol * logprob_scale, "max_logprob_abs_diff_branch": tol * logprob_scale,
+           "grad/decay": decay_tol}
     return {k: (_value(diff, k), bar.get(k, tol)) for k in _gated_keys(diff)}
 
 
@@ -235,6 +349,7 @@ def noise_gates(diff: dict, noise: list[dict], factor: float) -> dict[str, tuple
     that same quantity, at least its ``BF16_FLOOR`` (gradient classes: ``max_grad_rel_diff``'s,
     MoE: ``MOE_FLOOR``). Results without ``per_class`` gate ``max_grad_rel_diff`` as a whole."""
     def floor(k):
+        k = "max_logprob_abs_diff" if k == "max_logprob_abs_diff_branch" else k
         return BF16_FLOOR.get(k, BF16_FLOOR["max_grad_rel_diff"] if k.startswith("grad/") else MOE_FLOOR)
     return {k: (_value(diff, k), factor * max([floor(k)] + [_value(n, k) for n in noise]))
             for k in _gated_keys(diff)}
@@ -252,20 +367,30 @@ def _margin(d: float, bar: float) -> float:
     return d / bar if bar > 0 else (math.inf if d > 0 else 0.0)
 
 
-def _report(res: dict, gates: dict[str, tuple[float, float]], mutant: str | None) -> int:
-    """Add ``gates`` / ``margin`` / ``worst_gate`` to ``res``, print it, explain failures on stderr;
-    exit status (1 when a margin exceeds 1 or is NaN)."""
+def _report(res: dict, gates: dict[str, tuple[float, float]], mutant: str | None, emit: bool = True) -> int:
+    """Add ``gates`` / ``margin`` / ``worst_gate`` / ``numeric_margin`` (numeric gates only, the
+    ``plan/`` ones left out) to ``res``, print it (``emit``), explain failures on stderr; exit
+    status (1 when a margin exceeds 1 or is NaN)."""
+    def key(k):
+        m = _margin(*gates[k])
+        return math.inf if math.isnan(m) else m
     res["gates"] = {k: {"diff": d, "gate": bar, "margin": _margin(d, bar)} for k, (d, bar) in gates.items()}
-    worst = max(gates, key=lambda k: math.inf if math.isnan(_margin(*gates[k])) else _margin(*gates[k]))
+    worst = max(gates, key=key)
     res["margin"], res["worst_gate"] = _margin(*gates[worst]), worst
-    print(json.dumps(res))
+    numeric = [k for k in gates if not k.startswith("plan/")]
+    worst_num = max(numeric, key=key)
+    res["numeric_margin"], res["numeric_worst_gate"] = _margin(*gates[worst_num]), worst_num
+    if emit:
+        print(json.dumps(res))
     failing = [k for k, (d, bar) in gates.items() if not d <= bar]
     for k in failing:
         d, bar = gates[k]
-        print(f"verify: {k} {d:.3g} exceeds its gate {bar:.3g} (margin {_margin(d, bar):.3g})", file=sys.stderr)
+        print(f"verify{f' [{mutant}]' if mutant else ''}: {k} {d:.3g} exceeds its gate {bar:.3g} "
+              f"(margin {_margin(d, bar):.3g})", file=sys.stderr)
     if mutant:
         verdict = "rejected" if failing else "NOT rejected: the gate misses this broken tree"
-        print(f"verify: mutant {mutant} {verdict} (margin {res['margin']:.3g} at {worst})", file=sys.stderr)
+        print(f"verify: mutant {mutant} {verdict} (margin {res['margin']:.3g} at {worst}; numeric gates alone "
+              f"{res['numeric_margin']:.3g} at {worst_num})", file=sys.stderr)
     return 1 if failing else 0
 
 
@@ -283,12 +408,48 @@ def _mutation(name: str | None, chunk_size: int):
     return transform, info
 
 
-def _check_mutant_exercised(info: dict) -> int:
-    if info and not info.get("exercised"):
-        print(f"verify: --mutant {info['name']} changes nothing in this workload ({json.dumps(info)}); use a "
-              "smaller --chunk-size or trajectories with more branches", file=sys.stderr)
-        return 2
-    return 0
+def _mutant_names(args) -> list[str | None]:
+    """Tree-side runs: ``[None]`` (unmutated), ``[NAME]`` or, for ``--mutant all``, ``None`` then
+    every mutant with a layer in the pattern."""
+    from .verify_mutants import MUTANTS
+    if args.mutant == "all":
+        return [None] + [n for n, m in sorted(MUTANTS.items()) if any(c in args.pattern for c in m.layers)]
+    return [args.mutant]
+
+
+def _check_runs(args, run_tree, gates_of) -> int:
+    """Run the tree side once per :func:`_mutant_names` entry (``run_tree(transform, keep) ->
+    result``; ``gates_of(result, pack) -> (res dict, gates)``), report, exit status."""
+    names = _mutant_names(args)
+    out, rcs = {}, {}
+    for name in names:
+        transform, info = _mutation(name, args.chunk_size)
+        keep: dict = {}
+        tree = run_tree(transform, keep)
+        if name and not info.get("exercised"):
+            print(f"verify: --mutant {name} changes nothing in this workload ({json.dumps(info)}); use a "
+                  "smaller --chunk-size or trajectories with more branches", file=sys.stderr)
+            if args.mutant != "all":
+                return 2
+            out[name] = {"mutant": info, "skipped": "not exercised"}
+            continue
+        res, gates = gates_of(tree, keep["pack"])
+        if info:
+            res["mutant"] = info
+        rcs[name] = _report(res, gates, name, emit=args.mutant != "all")
+        out[name] = res
+    if args.mutant != "all":
+        return rcs[names[0]]
+    muts = {n: r for n, r in out.items() if n}
+    summary = {n: {"rejected": rcs.get(n) == 1, "margin": r.get("margin"), "worst_gate": r.get("worst_gate"),
+                   "numeric_margin": r.get("numeric_margin"), "numeric_worst_gate": r.get("numeric_worst_gate"),
+                   "exercised": r["mutant"].get("exercised")} for n, r in muts.items()}
+    ok = rcs[None] == 0 and all(s["rejected"] for s in summary.values() if s["exercised"])
+    print(json.dumps({"unmutated": out[None], "mutants": muts, "summary": summary, "all_rejected": ok}))
+    for n, s_ in summary.items():
+        print(f"verify --mutant all: {n}: {'rejected' if s_['rejected'] else 'NOT rejected'} "
+              f"(margin {s_['margin']}, numeric {s_['numeric_margin']})", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,8 +470,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="cuda: layer spec (te = Transformer Engine modules, needs TE)")
     ap.add_argument("--noise-factor", type=float, default=3.0, help="cuda: allowed multiple of the bf16 noise floor")
     ap.add_argument("--chunk-size", type=int, default=64)
-    ap.add_argument("--mutant", choices=sorted(MUTANTS), help="self-test of the checker: run the tree side on a "
-                    "deliberately broken pack (megatron_harts.verify_mutants); verify must exit 1")
+    ap.add_argument("--mutant", choices=sorted(MUTANTS) + ["all"], help="self-test of the checker: run the tree "
+                    "side on a deliberately broken pack (megatron_harts.verify_mutants); verify must exit 1. "
+                    "all: the unmutated tree and every mutant the pattern can show, in one process")
+    ap.add_argument("--no-probe", dest="probe", action="store_false", help="cuda: leave the short-prefix probe "
+                    "groups (PROBE) out of the default batch")
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     ap.add_argument("--tol", type=float, help="cpu: relative tolerance (default 1e-5, float64 1e-6)")
     ap.add_argument("--decay-tol", type=float, help="cpu: tolerance of A_log/dt_bias grads (default 5e-4, "
@@ -333,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--pattern {args.pattern!r} has MoE layers ('E'): give their expert count with --num-moe-experts N")
     if args.num_moe_experts and "E" not in args.pattern:
         ap.error(f"--num-moe-experts needs MoE layers ('E') in --pattern (got {args.pattern!r})")
-    if args.mutant and not any(c in args.pattern for c in MUTANTS[args.mutant].layers):
+    if args.mutant and args.mutant != "all" and not any(c in args.pattern for c in MUTANTS[args.mutant].layers):
         ap.error(f"--mutant {args.mutant} needs a layer of type {' or '.join(MUTANTS[args.mutant].layers)!r} "
                  f"in --pattern (got {args.pattern!r})")
     if args.device == "cuda":
@@ -357,7 +521,7 @@ def _main_cpu(args) -> int:
     g = torch.Generator().manual_seed(args.seed)
     weights = [torch.randn(len(r) - 1, generator=g).to(dtype) for tree in trees for r in tree.records]
     moe = dict(MOE_OBJECTIVES, num_moe_experts=args.num_moe_experts) if args.num_moe_experts else {}
-    transform, info = _mutation(args.mutant, args.chunk_size)
+    windows = branch_windows(pack(trees, chunk_size=args.chunk_size))
     owns = not cpu_shim.is_enabled()    # else reuse the caller's CPU Megatron setup (e.g. a test)
     with cpu_shim.cpu_megatron(seed=args.seed) if owns else contextlib.nullcontext():
         cpu_shim.cpu_manual_seed(args.seed)
@@ -368,15 +532,15 @@ def _main_cpu(args) -> int:
         for prm in model.parameters():      # the torch norms ignore params_dtype
             prm.data = prm.data.to(dtype)
         base = run_side(model, trees, pack_trajectories, weights, args.chunk_size)
-        tree = run_side(model, trees, pack, weights, args.chunk_size, transform=transform)
-    if rc := _check_mutant_exercised(info):
-        return rc
-    res = compare(tree, base)
-    res.update(compression=pack(trees).compression, dtype=args.dtype)
-    if info:
-        res["mutant"] = info
-    scale = max(float(lp.abs().max()) for lp in base[0] if lp.numel())
-    return _report(res, cpu_gates(res, tol, decay_tol, scale), args.mutant)
+        scale = max(float(lp.abs().max()) for lp in base[0] if lp.numel())
+
+        def gates_of(tree, p):
+            res = compare(tree, base, windows)
+            res.update(compression=pack(trees).compression, dtype=args.dtype, plan=plan_errors(p))
+            gates = cpu_gates(res, tol, decay_tol, scale)
+            return res, {**gates, **{k: (v, 0.0) for k, v in res["plan"].items()}}
+        return _check_runs(args, lambda transform, keep: run_side(model, trees, pack, weights, args.chunk_size,
+                                                                  transform=transform, keep=keep), gates_of)
 
 
 def _main_cuda(args) -> int:
@@ -388,10 +552,13 @@ def _main_cuda(args) -> int:
     else:
         trajs = agentic_batch(AgenticConfig(num_groups=2, group_size=8, vocab_size=32768, prompt_tokens=(500, 1500),
                                             seed=args.seed))  # seed 0: 56,279 tokens, 2.97x
+        if args.probe:
+            trajs += agentic_batch(dataclasses.replace(PROBE, seed=args.seed))
     trees = trees_from_trajectories(trajs)
     vocab = max(32768, 1 + max(int(max(t.tokens)) for t in trajs))
     g = torch.Generator().manual_seed(args.seed)
     weights = [torch.randn(len(r) - 1, generator=g) for tree in trees for r in tree.records]
+    windows = branch_windows(pack(trees, chunk_size=args.chunk_size))
     init_single_gpu(args.seed)
     pattern, over = HYBRID_1P5B if args.model == "1.5b" else (args.pattern, dict(hidden_size=256))
     recompute = args.recompute or args.model == "1.5b"   # the baseline runs the whole batch as one pack
@@ -399,28 +566,30 @@ def _main_cuda(args) -> int:
         if args.num_moe_experts else {}
     over = dict(over, **moe, **(RECOMPUTE if recompute else {}))
     model = build_gpu_hybrid_model(pattern, vocab, max(len(t.tokens) for t in trajs), spec=args.spec, **over)
-    transform, info = _mutation(args.mutant, args.chunk_size)
-    run = lambda layout, **kw: run_side(model, trees, layout, weights, args.chunk_size, "cuda", **kw)
+    run = lambda layout, **kw: run_side(model, trees, layout, weights, args.chunk_size, "cuda", **kw)  # noqa: E731
     base = run(pack_trajectories)
     rerun = run(pack_trajectories, reverse=True)
-    tree = run(pack, transform=transform)
-    if rc := _check_mutant_exercised(info):
-        return rc
-    res, noise = compare(tree, base), compare(rerun, base)
-    same_kernel, noises = res, [noise]
+    noises = [compare(rerun, base, windows)]
+    base_flex = None
     if chain_pack_backend(torch.device("cuda")) == "varlen":       # tree packs run FlexAttention
         with attention_backend(model, "flex"):
             base_flex = run(pack_trajectories)
             rerun_flex = run(pack_trajectories, reverse=True)
-        same_kernel = compare(tree, base_flex)
-        noises.append(compare(rerun_flex, base_flex))
-        res.update(baseline_flex=compare(base_flex, base), tree_vs_baseline_flex=same_kernel,
-                   baseline_flex_rerun=noises[-1])
-    res.update(compression=pack(trees).compression, baseline_rerun=noise,
-               params=sum(p.numel() for p in model.parameters()))
-    if info:
-        res["mutant"] = info
-    return _report(res, noise_gates(same_kernel, noises, args.noise_factor), args.mutant)
+        noises.append(compare(rerun_flex, base_flex, windows))
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def gates_of(tree, p):
+        res = compare(tree, base, windows)
+        same_kernel = res
+        if base_flex is not None:
+            same_kernel = compare(tree, base_flex, windows)
+            res.update(baseline_flex=compare(base_flex, base, windows), tree_vs_baseline_flex=same_kernel,
+                       baseline_flex_rerun=noises[-1])
+        res.update(compression=pack(trees).compression, baseline_rerun=noises[0], params=n_params,
+                   trajectories=len(trajs), plan=plan_errors(p))
+        gates = noise_gates(same_kernel, noises, args.noise_factor)
+        return res, {**gates, **{k: (v, 0.0) for k, v in res["plan"].items()}}
+    return _check_runs(args, lambda transform, keep: run(pack, transform=transform, keep=keep), gates_of)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ class AgenticConfig:
     branch_prob: float = 0.9                 # a sample branches off an earlier one (else from the prompt)
     vocab_size: int = 1024
     seed: int = 0
+    id_prefix: str = "g"                     # trajectory ids f"{id_prefix}{group}-s{sample}", groups f"{id_prefix}{group}"
 
 
 def _turn(rng: np.random.Generator, cfg: AgenticConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +62,8 @@ def agentic_batch(cfg: AgenticConfig = AgenticConfig()) -> list[Trajectory]:
             tokens = np.concatenate([prompt] + [t for t, _ in turns])
             mask = np.concatenate([np.zeros(len(prompt), dtype=bool)] + [m for _, m in turns])
             old = np.where(mask, -rng.exponential(1.0, size=len(tokens)), 0.0)
-            out.append(make_trajectory(len(out), tokens, cfg.vocab_size, traj_id=f"g{gid}-s{s}", group_id=f"g{gid}",
+            out.append(make_trajectory(len(out), tokens, cfg.vocab_size, traj_id=f"{cfg.id_prefix}{gid}-s{s}",
+                                       group_id=f"{cfg.id_prefix}{gid}",
                                        loss_mask=mask, old_logprobs=old, ref_logprobs=old, advantage=float(adv[s]),
                                        reward=float(rewards[s])))
     return out

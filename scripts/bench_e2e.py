@@ -54,7 +54,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.megatron import attention_backend, tree_hybrid_stack_spec, tree_packed_seq_params  # noqa: E402
+from megatron_harts.megatron import (attention_backend, precompile_tree_attention, tree_hybrid_stack_spec,  # noqa: E402
+                                     tree_packed_seq_params)
 from megatron_harts.megatron.gpu import HYBRID_1P5B, build_gpu_hybrid_model, init_single_gpu  # noqa: E402
 from megatron_harts.ops import chunk_plan, tree_token_logprobs  # noqa: E402
 from megatron_harts.ops.fla_autotune import add_save_fla_configs_arg, save_fla_autotune  # noqa: E402
@@ -403,6 +404,17 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
             a = argparse.Namespace(**{**vars(args), "seed": seed})
             train_step(model, microbatches(trajs, side, a, cm, device), norm_of(trajs), clock)
         log(f"{model_name} {wl}: warm-up batch {i + 1}/{len(warm)} (both sides) {time.perf_counter() - t0:.1f} s")
+    # FlexAttention compiles per padded pack length; training has compiled every length it meets
+    # after its first steps, so the timed batches' lengths are compiled here, on packs of a planning
+    # pass that is thrown away (the timed steps plan, pack and build block masks again).
+    t0, compiled = time.perf_counter(), 0
+    for seed in timed:
+        a = argparse.Namespace(**{**vars(args), "seed": seed})
+        mbs = microbatches(batches[seed], "harts", a, cm, device)
+        compiled += precompile_tree_attention(model, [mb["pack"] for mb in mbs])
+        del mbs
+    precompile_s = time.perf_counter() - t0
+    log(f"{model_name} {wl}: tree attention compiled for {compiled} new pack lengths in {precompile_s:.1f} s")
     model.zero_grad(set_to_none=True)
     steps = {s: [] for s in ("baseline", "harts")}
     lps, peak = {}, {s: 0.0 for s in steps}
@@ -432,7 +444,8 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
             f"{s} {steps[s][-1]['wall_ms']:.0f} ms (host {steps[s][-1]['host_ms']:.0f})" for s in steps))
     tok = sum(st["traj_tokens"] for st in steps["baseline"])
     row = dict(model=model_name, workload=wl, recompute=recompute, fresh_batches=True, steps=len(timed),
-               warmup_batches=len(warm), trajectories=len(batches[timed[0]]), trajectory_tokens=tok // len(timed))
+               warmup_batches=len(warm), trajectories=len(batches[timed[0]]), trajectory_tokens=tok // len(timed),
+               precompiled_lengths=compiled, precompile_s=precompile_s)
     for side, st in steps.items():
         wall = [x["wall_ms"] for x in st]
         row[side] = dict(steps=st, wall_ms=spread(wall), grad_ms_spread=spread([x["grad_ms"] for x in st]),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU benchmark step with fla's saved autotuning (configs/fla/<GPU>) reused and extended.
 #   scripts/gpu_run.sh STEP [extra args]      STEP: check | ops | e2e-swe | e2e-tau | e2e-sweep | e2e-moe
-#                                                   | e2e-norc | verify | calibrate | pretrain | rl | libra
+#                                                   | e2e-norc | verify | verify-moe | calibrate | pretrain | rl | libra
 # rl: the on-policy RL loop with SGLang (scripts/gpu_rl.py; SGLang in /tmp/site, see scripts/device/)
 # e2e-norc: recomputation off at 16K-token microbatches (the 1.48B model without recomputation runs
 # out of memory at 32K on the 139 GiB H200, so SWE-like trajectories of up to 64K tokens cannot run).
@@ -45,6 +45,8 @@ case "$step" in
   rl)        python3 scripts/gpu_rl.py --out "$OUT" "$@" ;;
   libra)     python3 scripts/libra_colocated_h200.py --out "$OUT" "$@" ;;
   verify)    python3 -m megatron_harts.verify --device cuda --model 1.5b "$@" | tee "$OUT/verify_1p5b.json" ;;
+  verify-moe) python3 -m megatron_harts.verify --device cuda --pattern 'G*E-G*E-' --num-moe-experts 8 "$@" \
+               | tee "$OUT/verify_moe.json" ;;
   calibrate) python3 scripts/calibrate_cost.py --out "$OUT/cost_model.json" "$@" ;;
   pretrain)
     python3 -m megatron_harts.workloads tau --groups 4 --out "$OUT/rollouts.jsonl"

@@ -33,6 +33,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
         assert r["lp_diff_harts"]["max"] < 1e-4 and r["lp_diff_rerun"]["max"] < 1e-4
         # every timed step is a new batch, the same one for both sides, and its time holds the host work
         assert r["fresh_batches"] and r["steps"] == 2
+        assert r["precompiled_lengths"] >= 1 and r["precompile_s"] >= 0   # a new model per row here
         b, h = r["baseline"]["steps"], r["harts"]["steps"]
         assert [x["seed"] for x in b] == [x["seed"] for x in h] and len({x["seed"] for x in b}) == 2
         assert [x["traj_tokens"] for x in b] == [x["traj_tokens"] for x in h] == [x["compact_tokens"] for x in b]

@@ -79,6 +79,50 @@ def test_mutant_is_rejected(workload, mutant, capsys):
     _show(capsys, mutant, res)
     assert res["mutant"]["name"] == mutant and res["mutant"]["exercised"] > 0
     assert rc == 1 and res["margin"] > 1, res
+    assert res["numeric_margin"] > 1, res          # the numeric gates alone reject it too (fp32)
+    plan_check = {"sibling_visible": "plan/attention_mask", "position_off_by_one": "plan/positions",
+                  "moe_multiplicity_ignored": "plan/moe_multiplicity"}.get(mutant)
+    for k, v in res["plan"].items():              # each exact plan check fires on its mutant only
+        assert (v > 0) == (k == plan_check), (mutant, res["plan"])
+
+
+def test_mutant_all_runs_every_mutant_in_one_process(workload):
+    """``--mutant all``: unmutated passes (plan checks all 0), every mutant rejected, exit 0."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = verify.main(["--trajectories", workload[0], *MODEL, "--mutant", "all"])
+    res = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert rc == 0 and res["all_rejected"], res["summary"]
+    assert set(res["summary"]) == set(verify_mutants.MUTANTS)
+    assert res["unmutated"]["plan"] == {"plan/attention_mask": 0, "plan/positions": 0, "plan/moe_multiplicity": 0}
+    assert all(s["rejected"] and s["numeric_margin"] > 1 for s in res["summary"].values()), res["summary"]
+
+
+def test_plan_errors_count_exactly_the_broken_rows(workload):
+    """``plan_errors`` on hand-broken packs: one widened mask entry is one bad row; a position shift
+    of k tokens is k bad tokens; and the branch windows cover each branch start's first entries."""
+    _, trees = workload
+    p = pack(trees, chunk_size=C)
+    assert verify.plan_errors(p) == {"plan/attention_mask": 0, "plan/positions": 0}
+    bad, n = verify_mutants.sibling_visible(pack(trees, chunk_size=C), masks=("dense",))
+    assert verify.plan_errors(bad)["plan/attention_mask"] == n > 0
+    shifted = pack(trees, chunk_size=C)
+    shifted.position_ids = shifted.position_ids.clone()
+    shifted.position_ids[[3, 7]] += 1
+    assert verify.plan_errors(shifted)["plan/positions"] == 2
+    kids = torch.bincount(p.parent[p.parent >= 0], minlength=p.num_tokens)
+    cu = p.traj_cu_seqlens.tolist()
+    for window in (1, 3):
+        w = verify.branch_windows(p, window=window)
+        assert [x.numel() for x in w] == [len(r) - 1 for r in p.trajectories]
+        for i, x in enumerate(w):
+            idx = p.traj_index[cu[i]:cu[i + 1]]
+            starts = [j for j in range(1, len(idx)) if kids[p.parent[idx[j]]] >= 2]
+            want = torch.zeros(len(idx) - 1, dtype=torch.bool)
+            for j in starts:
+                want[j:j + window] = True
+            assert torch.equal(x, want), (i, window)
+    assert sum(int(x.sum()) for x in verify.branch_windows(p)) > 0
 
 
 def test_documented_mutant_command_fails_on_the_default_workload():

@@ -150,6 +150,41 @@ class TreeCoreAttention(DotProductAttention):
         return o.reshape(o.shape[0], -1)
 
 
+def precompile_tree_attention(model: torch.nn.Module, packs, dtype: torch.dtype | None = None) -> int:
+    """Compile what ``model``'s tree attention layers will need for ``packs`` (device
+    :class:`TreePack` s) before those packs are trained on: per distinct FlexAttention length
+    (``ops.attention.flex_length``), ``tree_attention`` on random q/k/v of the layers' head shapes,
+    once without grad (the forward of full recomputation) and once with grad and backward. Packs of
+    a length seen before cost nothing. Training is in this state after its first steps (every pack
+    length of the run compiled once); a benchmark that times later steps calls this on the packs it
+    will time, and the packs themselves are untouched (their block masks are built again when used).
+    Returns the number of lengths compiled now."""
+    from ..ops.attention import flex_length
+    mods = [m for m in model.modules() if isinstance(m, TreeCoreAttention)]
+    if not mods:
+        return 0
+    seen = {(m.num_attention_heads_per_partition, m.num_query_groups_per_partition, m.hidden_size_per_attention_head,
+             m.softmax_scale, m.tree_attention_backend) for m in mods}
+    dtype = dtype or next(model.parameters()).dtype
+    done = getattr(model, "_harts_precompiled", set())
+    n = 0
+    for p in packs:
+        for hq, hkv, d, scale, backend in seen:
+            key = (flex_length(p.num_tokens), p.is_chain, hq, hkv, d, scale, backend)
+            if key in done:
+                continue
+            done.add(key)
+            n += 1
+            T = p.num_tokens
+            q, k, v = (torch.randn(T, h, d, device=p.device, dtype=dtype) for h in (hq, hkv, hkv))
+            with torch.no_grad():
+                tree_attention(q, k, v, p, scale=scale, backend=backend)
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            tree_attention(q, k, v, p, scale=scale, backend=backend).sum().backward()
+    model._harts_precompiled = done
+    return n
+
+
 @contextlib.contextmanager
 def attention_backend(model: torch.nn.Module, backend: str):
     """Run every :class:`TreeCoreAttention` of ``model`` with ``backend`` inside the block (e.g. the
