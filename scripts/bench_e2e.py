@@ -371,6 +371,7 @@ def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, arg
     row["compression"] = row["trajectory_tokens"] / row["harts"]["compact_tokens"]
     row["speedup"] = row["baseline"]["grad_ms"] / row["harts"]["grad_ms"]
     row["speedup_with_opt"] = row["baseline"]["step_ms"] / row["harts"]["step_ms"]
+    row["speedup_per_step"], row["speedup_total"] = paired_speedups(row)
     row["target"] = 0.9 * row["compression"]
     row["meets_target"] = row["speedup"] >= row["target"] and (wl != "swe" or not recompute or row["speedup"] >= 5)
     return row
@@ -490,6 +491,7 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
     row["speedup_range"] = [row["baseline"]["wall_ms"]["min"] / row["harts"]["wall_ms"]["max"],
                             row["baseline"]["wall_ms"]["max"] / row["harts"]["wall_ms"]["min"]]
     row["speedup_with_opt"] = row["baseline"]["step_ms"] / row["harts"]["step_ms"]
+    row["speedup_per_step"], row["speedup_total"] = paired_speedups(row)
     row["target"] = 0.9 * row["compression"]
     row["meets_target"] = row["speedup"] >= row["target"] and (wl != "swe" or not recompute or row["speedup"] >= 5)
     return row
@@ -518,6 +520,18 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def paired_speedups(row: dict) -> tuple[dict, float]:
+    """Of a fresh-batch row: the per-step speedups (baseline / HARTS wall time of the same batch)
+    as min / median / max, and the total speedup (sum of baseline step times / sum of HARTS ones,
+    the throughput ratio over the timed batches). With batches of varying size (swe, tau) the ratio
+    of the two medians can pair different batches; these two cannot."""
+    b, h = row["baseline"]["steps"], row["harts"]["steps"]
+    if [x["seed"] for x in b] != [x["seed"] for x in h]:
+        raise ValueError(f"{row['workload']}: the two sides' steps are not the same batches")
+    return (spread([x["wall_ms"] / y["wall_ms"] for x, y in zip(b, h)]),
+            sum(x["wall_ms"] for x in b) / sum(y["wall_ms"] for y in h))
+
+
 def table_fresh(rows: list[dict]) -> list[str]:
     """Rows measured on a new global batch every step: step wall time (plan + pack + copies +
     forward/backward) median [min-max] per side, its host part, the forward/backward part."""
@@ -525,17 +539,19 @@ def table_fresh(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     head = ("| model | workload | recompute | steps | traj tokens/step | compression | base step ms med [min-max] "
-            "| harts step ms med [min-max] | base host ms | harts host ms | speedup [range] | fwd+bwd speedup "
-            "| target | base GiB | harts GiB | lp diff h-b max | lp diff rerun max | lp diff flex-b max | met |")
+            "| harts step ms med [min-max] | base host ms | harts host ms | speedup [range] | per-step speedup med "
+            "[min-max] | total speedup | fwd+bwd speedup | target | base GiB | harts GiB | lp diff h-b max | lp diff rerun max | lp diff flex-b max | met |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         b, h = r["baseline"], r["harts"]
         w = lambda d: f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]"  # noqa: E731
+        ps, tot = paired_speedups(r)
         rr, fb = (f"{d['max']:.2e}" if d else "-" for d in (r.get("lp_diff_rerun"), r.get("lp_diff_baseline_flex")))
         lines.append(f"| {r['model']} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['steps']} "
                      f"| {r['trajectory_tokens']} | {r['compression']:.2f} | {w(b['wall_ms'])} | {w(h['wall_ms'])} "
                      f"| {b['host_ms']['median']:.1f} | {h['host_ms']['median']:.1f} "
                      f"| {r['speedup']:.2f} [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}] "
+                     f"| {ps['median']:.2f} [{ps['min']:.2f}-{ps['max']:.2f}] | {tot:.2f} "
                      f"| {r['speedup_gpu']:.2f} | {r['target']:.2f} | {b['peak_gib']:.1f} | {h['peak_gib']:.1f} "
                      f"| {r['lp_diff_harts']['max']:.2e} | {rr} | {fb} | {'yes' if r['meets_target'] else 'no'} |")
     return lines

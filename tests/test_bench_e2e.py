@@ -44,6 +44,9 @@ def test_bench_e2e_cpu_smoke(tmp_path):
             w = r[side]["wall_ms"]
             assert w["min"] <= w["median"] <= w["max"]
         assert abs(r["speedup"] - r["baseline"]["wall_ms"]["median"] / r["harts"]["wall_ms"]["median"]) < 1e-9
+        ratios = sorted(x["wall_ms"] / y["wall_ms"] for x, y in zip(b, h))
+        assert r["speedup_per_step"]["min"] == ratios[0] and r["speedup_per_step"]["max"] == ratios[-1]
+        assert abs(r["speedup_total"] - sum(x["wall_ms"] for x in b) / sum(y["wall_ms"] for y in h)) < 1e-9
         assert abs(r["compression"] - sum(x["traj_tokens"] for x in b) / sum(x["compact_tokens"] for x in h)) < 1e-9
     plot = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_e2e.py"), "--plot",
                            str(tmp_path / "e2e.json"), "--out", str(tmp_path)], capture_output=True, text=True)

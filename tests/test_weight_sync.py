@@ -302,7 +302,9 @@ def test_checkpoint_loads_in_transformers(exported, megatron_models, name):
     ref = exported[name]["ref"]
     info = ref["loading_info"]
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
-    assert ref["torch_path"] and ref["alone_vs_batched"] < 1e-5
+    # fp32, one trajectory alone vs in a padded batch: other GEMM shapes and thread splits (1.5e-5 seen
+    # on a loaded machine); a layout bug (padding attended, positions shifted) is O(1)
+    assert ref["torch_path"] and ref["alone_vs_batched"] < 1e-4
     want = convert.megatron_to_hf(megatron_models[name].state_dict(), CONFIGS[name])
     _assert_bit_exact({k: v for k, v in ref["state_dict"].items()}, want, f"{name}: from_pretrained")
     cfg = CONFIGS[name]
