@@ -371,7 +371,6 @@ def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, arg
     row["compression"] = row["trajectory_tokens"] / row["harts"]["compact_tokens"]
     row["speedup"] = row["baseline"]["grad_ms"] / row["harts"]["grad_ms"]
     row["speedup_with_opt"] = row["baseline"]["step_ms"] / row["harts"]["step_ms"]
-    row["speedup_per_step"], row["speedup_total"] = paired_speedups(row)
     row["target"] = 0.9 * row["compression"]
     row["meets_target"] = row["speedup"] >= row["target"] and (wl != "swe" or not recompute or row["speedup"] >= 5)
     return row
@@ -545,13 +544,13 @@ def table_fresh(rows: list[dict]) -> list[str]:
     for r in rows:
         b, h = r["baseline"], r["harts"]
         w = lambda d: f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]"  # noqa: E731
-        ps, tot = paired_speedups(r)
+        ps, tot = paired_speedups(r) if "steps" in b and "steps" in h else (None, None)
         rr, fb = (f"{d['max']:.2e}" if d else "-" for d in (r.get("lp_diff_rerun"), r.get("lp_diff_baseline_flex")))
         lines.append(f"| {r['model']} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['steps']} "
                      f"| {r['trajectory_tokens']} | {r['compression']:.2f} | {w(b['wall_ms'])} | {w(h['wall_ms'])} "
                      f"| {b['host_ms']['median']:.1f} | {h['host_ms']['median']:.1f} "
                      f"| {r['speedup']:.2f} [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}] "
-                     f"| {ps['median']:.2f} [{ps['min']:.2f}-{ps['max']:.2f}] | {tot:.2f} "
+                     + (f"| {ps['median']:.2f} [{ps['min']:.2f}-{ps['max']:.2f}] | {tot:.2f} " if ps else "| - | - ") +
                      f"| {r['speedup_gpu']:.2f} | {r['target']:.2f} | {b['peak_gib']:.1f} | {h['peak_gib']:.1f} "
                      f"| {r['lp_diff_harts']['max']:.2e} | {rr} | {fb} | {'yes' if r['meets_target'] else 'no'} |")
     return lines
