@@ -171,6 +171,8 @@ def plan_errors(p, block_rows: int = 1024) -> dict[str, int]:
       prefix: every ``(traj_index[t], traj_index[s])``, ``s <= t``, allowed, and the row allows
       ``t + 1`` tokens in all (``[block_rows, C]`` at a time; C = padded columns on CUDA);
     * ``plan/positions``: compact tokens whose RoPE position differs from their trajectory position;
+    * ``plan/linear_attention``: broken links of the chunk plan that the GDN / Mamba layers run
+      (:func:`chunk_plan_errors`);
     * ``plan/moe_multiplicity`` (only when the router's weights are cached on the pack, i.e. after an
       ``E`` layer ran or a mutant built them): tokens whose router weight is not the number of
       trajectories through them.
@@ -192,13 +194,41 @@ def plan_errors(p, block_rows: int = 1024) -> dict[str, int]:
             q = ti[r0:r0 + block_rows]
             tril = torch.arange(ti.numel(), device=dev)[None, :] <= torch.arange(r0, r0 + q.numel(), device=dev)[:, None]
             bad[q] |= (tril & ~allowed(q[:, None], ti[None, :])).any(1)
-    out = {"plan/attention_mask": int(bad.sum()),
+    out = {"plan/attention_mask": int(bad.sum()), "plan/linear_attention": chunk_plan_errors(p),
            "plan/positions": int(torch.unique(idx[p.position_ids[idx] != t]).numel())}
     key = ("moe_multiplicity", str(dev))
     if key in p._cache:
         want = torch.bincount(idx, minlength=T).to(torch.float32)
         out["plan/moe_multiplicity"] = int((p._cache[key] != want).sum())
     return out
+
+
+def chunk_plan_errors(p) -> int:
+    """Broken links of the pack's chunk plan (the cached one the linear-attention layers read), against
+    the tree's ``parent`` array: within a sequence each gathered token must be the child of the one
+    before it; a round-0 sequence must start at a tree root (zero initial state); a later round's
+    sequence must start at a child of the last token of the previous-round sequence whose final state
+    it starts from (``init_from``); and every compact token's output must come from a position that
+    gathered that token. Together these say that the recurrence each output sees has consumed
+    exactly the token's root path, i.e. its trajectory prefix. Returns the number of violations."""
+    from .ops.plan import chunk_plan
+    plan = chunk_plan(p, p.chunk_size)
+    parent, dev = p.parent, p.device
+    bad, prev_last = 0, None
+    for rd in plan.rounds:
+        g, cu = rd.gather, rd.cu_seqlens_cpu.to(dev)
+        starts = cu[:-1]
+        inner = torch.ones(g.numel(), dtype=torch.bool, device=dev)
+        inner[starts[starts < g.numel()]] = False
+        i = torch.nonzero(inner).flatten()
+        bad += int((parent[g[i]] != g[i - 1]).sum())
+        first = g[starts]
+        want = torch.full_like(first, -1) if rd.init_from is None else prev_last[rd.init_from.to(dev)]
+        bad += int((parent[first] != want).sum())
+        prev_last = g[cu[1:] - 1]
+    T = p.num_tokens
+    bad += int((plan.gather_all[plan.out_index] != torch.arange(T, device=dev)).sum())
+    return bad
 
 
 def branch_windows(p, window: int = BRANCH_WINDOW) -> list[torch.Tensor]:

@@ -14,6 +14,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from trees import corner_cases, trajectory_sets
 
 from megatron_harts import verify, verify_mutants
 from megatron_harts.ops.attention import ancestor_mask, block_mask
@@ -81,7 +83,8 @@ def test_mutant_is_rejected(workload, mutant, capsys):
     assert rc == 1 and res["margin"] > 1, res
     assert res["numeric_margin"] > 1, res          # the numeric gates alone reject it too (fp32)
     plan_check = {"sibling_visible": "plan/attention_mask", "position_off_by_one": "plan/positions",
-                  "moe_multiplicity_ignored": "plan/moe_multiplicity"}.get(mutant)
+                  "moe_multiplicity_ignored": "plan/moe_multiplicity",
+                  "state_handoff_dropped": "plan/linear_attention"}[mutant]
     for k, v in res["plan"].items():              # each exact plan check fires on its mutant only
         assert (v > 0) == (k == plan_check), (mutant, res["plan"])
 
@@ -94,7 +97,8 @@ def test_mutant_all_runs_every_mutant_in_one_process(workload):
     res = json.loads(out.getvalue().strip().splitlines()[-1])
     assert rc == 0 and res["all_rejected"], res["summary"]
     assert set(res["summary"]) == set(verify_mutants.MUTANTS)
-    assert res["unmutated"]["plan"] == {"plan/attention_mask": 0, "plan/positions": 0, "plan/moe_multiplicity": 0}
+    assert res["unmutated"]["plan"] == {"plan/attention_mask": 0, "plan/linear_attention": 0, "plan/positions": 0,
+                                        "plan/moe_multiplicity": 0}
     assert all(s["rejected"] and s["numeric_margin"] > 1 for s in res["summary"].values()), res["summary"]
 
 
@@ -103,7 +107,7 @@ def test_plan_errors_count_exactly_the_broken_rows(workload):
     of k tokens is k bad tokens; and the branch windows cover each branch start's first entries."""
     _, trees = workload
     p = pack(trees, chunk_size=C)
-    assert verify.plan_errors(p) == {"plan/attention_mask": 0, "plan/positions": 0}
+    assert verify.plan_errors(p) == {"plan/attention_mask": 0, "plan/linear_attention": 0, "plan/positions": 0}
     bad, n = verify_mutants.sibling_visible(pack(trees, chunk_size=C), masks=("dense",))
     assert verify.plan_errors(bad)["plan/attention_mask"] == n > 0
     shifted = pack(trees, chunk_size=C)
@@ -232,3 +236,37 @@ def test_cuda_gate_is_per_class():
     assert verify.within_noise(bad, [rerun], 3.0) == ["grad/attention_qkv"]
     nan = dict(ok, per_class=dict(ok["per_class"], mlp=float("nan")))
     assert verify.within_noise(nan, [rerun], 3.0) == ["grad/mlp"]
+
+
+def _tree_pack(token_lists, C_):
+    from megatron_harts.tree import RolloutTree, make_trajectory
+    trajs = [make_trajectory(i, t, traj_id=f"t{i}", group_id="g") for i, t in enumerate(token_lists)]
+    return pack([RolloutTree(trajs)], chunk_size=C_)
+
+
+@pytest.mark.parametrize("case", sorted(corner_cases(4)))
+def test_plan_checks_hold_on_corner_case_trees(case):
+    """The exact plan checks are 0 on every corner-case tree (chunk-boundary branches, duplicates,
+    several roots, deep and wide trees), and a chunk plan with one handoff pointed at another state,
+    or one sequence started from zero, is caught."""
+    p = _tree_pack(corner_cases(4)[case], 4)
+    assert verify.plan_errors(p) == {"plan/attention_mask": 0, "plan/linear_attention": 0, "plan/positions": 0}
+    plan = chunk_plan(p, 4)
+    later = [r for r, rd in enumerate(plan.rounds) if r and rd.init_from is not None and len(rd.init_from) > 0]
+    if later:
+        rd = plan.rounds[later[0]]
+        prev = plan.rounds[later[0] - 1]
+        n_prev = len(prev.cu_seqlens_cpu) - 1
+        if n_prev > 1:                              # point the first handoff at another state
+            rd.init_from = rd.init_from.clone()
+            rd.init_from[0] = (rd.init_from[0] + 1) % n_prev
+            assert verify.chunk_plan_errors(p) >= 1
+        rd.init_from = None                         # the whole round from zero states
+        assert verify.chunk_plan_errors(p) >= len(rd.cu_seqlens_cpu) - 1
+
+
+@given(trajectory_sets(chunk_size=4))
+@settings(max_examples=40, deadline=None)
+def test_plan_checks_hold_on_random_trees(token_lists):
+    p = _tree_pack(token_lists, 4)
+    assert verify.plan_errors(p) == {"plan/attention_mask": 0, "plan/linear_attention": 0, "plan/positions": 0}
