@@ -58,6 +58,12 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--max-concurrency", type=int, default=16)
     g.add_argument("--rollout-workers", type=int, default=1)
+    g.add_argument("--router", choices=["sticky", "war"], default="sticky",
+                   help="turn placement on the engines: sticky least-loaded, or WAR's cache/progress/load-aware "
+                        "scheduler")
+    g.add_argument("--shadows", type=int, default=0,
+                   help="Belayer: pre-started shadow engine workers that take over a failed one, whose requests "
+                        "continue from their logged tokens (0: off; started engines, without --ray)")
     g = ap.add_argument_group("trainer")
     g.add_argument("--trainer", choices=["tree", "traj"], default="tree", help="tree: HARTS; traj: baseline")
     g.add_argument("--model", default="tiny", help="model preset (tiny, tiny-moe, small, small-moe; SGLang "
@@ -87,6 +93,10 @@ def parse_args(argv=None) -> LoopConfig:
         model_config(a.model, check=True)
     except ValueError as e:
         ap.error(f"--model: {e}")
+    if a.shadows < 0:
+        ap.error(f"--shadows must be >= 0, got {a.shadows}")
+    if a.shadows and (a.ray or a.engine_urls):
+        ap.error("--shadows needs engines started by the loop on the local path (not with --ray or --engine-urls)")
     bad = [e for e in a.engine_env if "=" not in e]
     if bad:
         ap.error(f"--engine-env expects KEY=VALUE, got {bad[0]!r}")
@@ -101,7 +111,7 @@ def parse_args(argv=None) -> LoopConfig:
                       trainer=a.trainer, model=a.model, lr=a.lr, chunk_size=a.chunk_size, device=a.device,
                       attention_backend=a.attention_backend,
                       seed=a.seed, use_ray=a.ray, out=a.out, sft_warmup_steps=a.sft_warmup_steps,
-                      warmup_lr=a.warmup_lr, old_logprobs=a.old_logprobs)
+                      warmup_lr=a.warmup_lr, old_logprobs=a.old_logprobs, router=a.router, shadows=a.shadows)
 
 
 HEADER = "step  reward  compr.  traj  rollout_s  train_s  sync_s  mismatch"

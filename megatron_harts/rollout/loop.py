@@ -15,6 +15,13 @@ Pieces (each small and replaceable, composed here):
   a path: one node today (across nodes: servers bound to the node's address and a shared file
   system, not done).
 
+Companions, switched on in :class:`LoopConfig`: ``router="war"`` places turns with WAR's
+cache/progress/load-aware :class:`~.war.scheduler.WarScheduler` (default ``sticky``: sticky
+least-loaded); ``shadows=N`` (local path, started engines) runs the engines under Belayer's
+:class:`~.belayer.engine.Supervisor` with ``N`` pre-started shadow workers, and the agent loop's
+engines are :class:`~.belayer.engine.ResumableEngine` s: a server that dies mid-step is replaced by
+a shadow and its requests continue from their logged tokens (rows count ``failovers``).
+
 Per step the driver records ``{step, engine, trainer, rollout_s, train_s, sync_s, compression,
 reward_mean, logprob_mismatch_max, ...}``; ``logprob_mismatch_*`` compares the engine's log-probs
 of the sampled tokens (weights of version ``step``, pushed after the previous step) with the
@@ -55,7 +62,9 @@ class LoopConfig:
     disk write); ``save_rollouts``: each step's trajectories as ``<out>/rollouts/step_NNNN.jsonl``
     (the trajectory JSONL format, readable by ``megatron_harts.tree.read_jsonl``);
     ``sft_warmup_steps`` supervised steps on scripted episodes first, at ``warmup_lr`` (default
-    ``lr``)."""
+    ``lr``); ``router``: ``sticky`` (sticky least-loaded) or ``war`` (WAR's scheduler, per rollout
+    worker); ``shadows``: Belayer shadow workers beside the ``num_engines`` serving ones (0: off;
+    needs started engines and the local path)."""
 
     steps: int = 2
     engine: str = "embedded"
@@ -82,22 +91,53 @@ class LoopConfig:
     warmup_lr: float | None = None
     weights_dir: str | None = None
     save_rollouts: bool = True
+    router: str = "sticky"
+    shadows: int = 0
+
+    def __post_init__(self):
+        if self.router not in ROUTERS:
+            raise ValueError(f"LoopConfig.router must be one of {ROUTERS}, got {self.router!r}")
+        if self.shadows < 0:
+            raise ValueError(f"LoopConfig.shadows must be >= 0, got {self.shadows}")
+        if self.shadows and (self.use_ray or self.engine_urls):
+            raise ValueError("LoopConfig.shadows (Belayer shadow workers) needs engines started by the loop on the "
+                             "local path: not with use_ray or engine_urls")
+
+
+ROUTERS = ("sticky", "war")
 
 
 class RolloutWorker:
-    """Runs the agent loop of one task family on the engines at ``urls`` (HTTP clients)."""
+    """Runs the agent loop of one task family on the engines at ``urls`` (HTTP clients), or on
+    ``engines`` given as objects (e.g. Belayer's resumable engines; local path only). ``router``:
+    ``sticky`` (sticky least-loaded) or ``war`` (a :class:`~.war.scheduler.WarScheduler` of its own,
+    whose gate wraps the engines); its prefix-cache hit estimate is ``stats["router_cache_hit"]``."""
 
-    def __init__(self, urls: list[str], family: str, rollout: RolloutConfig, seed: int = 0):
+    def __init__(self, urls: list[str], family: str, rollout: RolloutConfig, seed: int = 0,
+                 router: str = "sticky", engines: list | None = None):
+        from .agent_loop import sticky_least_loaded
         from .engines import HttpEngine
         from .envs import make_env
 
         self.family, self.seed = family, seed
         turns = {"max_turns": rollout.max_turns} if rollout.max_turns else {}     # else the family's own
-        self.loop = AgentLoop([HttpEngine(u) for u in urls], ByteTokenizer(),
-                              lambda task: make_env(family, int(task), seed=seed, **turns), rollout)
+        engines = list(engines) if engines is not None else [HttpEngine(u) for u in urls]
+        self.scheduler = None
+        pick = sticky_least_loaded
+        if router == "war":
+            from .war.scheduler import WarScheduler
+            self.scheduler = pick = WarScheduler(len(engines))
+            engines = self.scheduler.wrap(engines)
+        elif router != "sticky":
+            raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+        self.loop = AgentLoop(engines, ByteTokenizer(), lambda task: make_env(family, int(task), seed=seed, **turns),
+                              rollout, pick_engine=pick)
 
     def rollout(self, tasks: list[int], group_ids: list[str]):
-        return self.loop.rollout(tasks, group_ids)
+        res = self.loop.rollout(tasks, group_ids)
+        if self.scheduler is not None:
+            res.stats["router_cache_hit"] = self.scheduler.cache_hit()
+        return res
 
     def demonstrations(self, tasks: list[int], group_ids: list[str]):
         return demonstrations(self.family, tasks, group_ids, seed=self.seed)
@@ -214,7 +254,21 @@ class RLLoop:
         path, stats = _get(_call(self.trainer, "export", "v0", use_ray=ray_), ray_)
         logger.info("initial weights v0 exported to %s (%.2f s)", path, stats.get("seconds", float("nan")))
         urls = list(cfg.engine_urls)
-        if not urls:
+        self.supervisor, engines = None, None
+        if cfg.shadows:
+            from .belayer.engine import ResumableEngine, Supervisor
+            from .engines import start_engine
+            logs = iter(range(1 << 30))
+
+            def start_server(model_path, version):
+                return start_engine(cfg.engine, model_path, log_path=str(self.out / f"engine{next(logs)}.log"),
+                                    extra_args=list(cfg.engine_args), env=dict(cfg.engine_env),
+                                    weight_version=version)
+            self.supervisor = Supervisor(start_server, path, "v0", num_active=cfg.num_engines,
+                                         num_shadows=cfg.shadows).start()
+            engines = [ResumableEngine(self.supervisor, slot=i) for i in range(cfg.num_engines)]
+            urls = [self.supervisor.engine(i).url for i in range(cfg.num_engines)]
+        elif not urls:
             gpu = 0.5 if cfg.engine == "sglang" and ray_ else 0       # colocated with the trainer on one GPU
             Engine = _remote(EngineWorker, ray_, num_cpus=0, num_gpus=gpu)
             for i in range(cfg.num_engines):
@@ -226,18 +280,26 @@ class RLLoop:
             self._push(path, "v0", urls)
         self.urls = urls
         Worker = _remote(RolloutWorker, ray_, num_cpus=0)
-        self.workers = [Worker(urls, cfg.family, cfg.rollout, cfg.seed) if not ray_ else
-                        Worker.remote(urls, cfg.family, cfg.rollout, cfg.seed) for _ in range(cfg.rollout_workers)]
+        wkw = dict(router=cfg.router, engines=engines)
+        self.workers = [Worker(urls, cfg.family, cfg.rollout, cfg.seed, **wkw) if not ray_ else
+                        Worker.remote(urls, cfg.family, cfg.rollout, cfg.seed, router=cfg.router)
+                        for _ in range(cfg.rollout_workers)]
 
     def _push(self, path: str, version: str, urls: list[str] | None = None) -> float:
         """Every engine loads the checkpoint at ``path`` (in parallel); returns seconds."""
         from .engines import HttpEngine
         from .weight_sync import push_weights
         t0 = time.perf_counter()
-        push_weights([HttpEngine(u) for u in urls or self.urls], path, version)
+        if getattr(self, "supervisor", None) is not None and urls is None:
+            self.supervisor.update_weights_from_disk(path, version)        # serving workers and shadows
+        else:
+            push_weights([HttpEngine(u) for u in urls or self.urls], path, version)
         return time.perf_counter() - t0
 
     def close(self):
+        if getattr(self, "supervisor", None) is not None:
+            self.supervisor.close()
+            self.supervisor = None
         if not self.cfg.keep_engines:
             _get([_call(s, "stop", use_ray=self.cfg.use_ray) for s in self.servers], self.cfg.use_ray)
             self.servers = []
@@ -268,6 +330,8 @@ class RLLoop:
         stats["rollout_s"] = max(r.stats["rollout_s"] for r in results)
         stats["reward_mean"] = float(np.mean([t.reward for t in trajs])) if trajs else float("nan")
         stats["weight_versions"] = sorted({v for r in results for v in r.stats["weight_versions"]})
+        hits = [r.stats["router_cache_hit"] for r in results if "router_cache_hit" in r.stats]
+        stats["router_cache_hit"] = float(np.mean(hits)) if hits else None
         trees = trees_from_trajectories(trajs) if trajs else []
         stats["data_compression"] = (sum(t.num_trajectory_tokens for t in trees) / max(1, sum(t.num_tokens for t in trees)))
         return trajs, failed, stats
@@ -290,7 +354,9 @@ class RLLoop:
                 self._push(path, "v0w")
                 served = "v0w"
             for step in range(cfg.steps):
+                events_before = len(self.supervisor.events) if self.supervisor is not None else 0
                 trajs, failed, rs = self._rollout(step)
+                events = self.supervisor.events[events_before:] if self.supervisor is not None else []
                 if not trajs:
                     raise RuntimeError(f"step {step}: every episode failed ({failed[:3]})")
                 if rs["weight_versions"] != [served]:     # on-policy: every turn on the pushed weights
@@ -316,7 +382,9 @@ class RLLoop:
                        "grad_norm": m["grad_norm"], "nll": m["nll"], "trajectories": rs["trajectories"], "failed": rs["failed"],
                        "generated_tokens": rs["generated_tokens"], "trajectory_tokens": rs["trajectory_tokens"],
                        "packed_tokens": m["packed_tokens"], "rollout_weight_versions": rs["weight_versions"],
-                       "groups": rs["groups"], "zero_variance_groups": rs["zero_variance_groups"]}
+                       "groups": rs["groups"], "zero_variance_groups": rs["zero_variance_groups"],
+                       "router": cfg.router, "router_cache_hit": rs["router_cache_hit"],
+                       "failovers": len(events), "failover_s": [round(e.seconds, 3) for e in events]}
                 self.rows.append(row)
                 logger.info("step %d: reward %.3f, compression %.2fx, rollout %.2f s, train %.2f s, sync %.2f s, "
                             "mismatch max %.2e", step, row["reward_mean"], row["compression"], row["rollout_s"],
