@@ -169,12 +169,12 @@ def build_model(name: str, recompute: bool, args, max_len: int):
     over = dict(over, **(RECOMPUTE if recompute else {}))
     if args.device == "cpu":
         cpu_shim.cpu_manual_seed(args.seed)
+        spec = tree_hybrid_stack_spec(over.get("num_moe_experts"), grouped_experts=args.grouped_experts)
         return cpu_shim.build_tiny_hybrid_model(pattern, vocab_size=args.vocab, max_sequence_length=max_len,
-                                                hybrid_stack_spec=tree_hybrid_stack_spec(over.get("num_moe_experts")),
-                                                init_method_std=0.1, **over)
+                                                hybrid_stack_spec=spec, init_method_std=0.1, **over)
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     model_parallel_cuda_manual_seed(args.seed)
-    return build_gpu_hybrid_model(pattern, args.vocab, max_len, **over)
+    return build_gpu_hybrid_model(pattern, args.vocab, max_len, grouped_experts=args.grouped_experts, **over)
 
 
 def baseline_attention(device) -> str:
@@ -641,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                     "recompute, 32768 without; tiny: 256)")
     ap.add_argument("--pad-multiple", type=int, default=0, help="pad whole packs to a multiple of this many "
                     "tokens with a dummy chain (0: off; attention pads itself, see flex_length)")
+    ap.add_argument("--grouped-experts", action="store_true", help="MoE experts as TEGroupedMLP on torch's grouped "
+                    "GEMM (megatron_harts.moe.grouped) instead of SequentialMLP, on both sides")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--swe-groups", type=int, default=2)
@@ -693,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 chunk_size=args.chunk_size, max_steps=args.max_steps, pad_multiple=args.pad_multiple,
                 vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv, fresh_batches=not args.same_batch,
+                grouped_experts=args.grouped_experts,
                 warmup_batches=0 if args.same_batch else args.warmup_batches)
     if args.same_batch:
         data = {wl: workload(wl, args) for wl in wls}

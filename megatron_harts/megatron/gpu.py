@@ -36,15 +36,19 @@ def init_single_gpu(seed: int) -> None:
 
 
 def build_gpu_hybrid_model(pattern: str, vocab_size: int, max_sequence_length: int, spec: str = "local",
-                           **overrides):
+                           grouped_experts: bool = False, **overrides):
     """bf16 ``HybridModel`` (``spec``: ``local`` = ``tree_hybrid_stack_spec``, ``te`` =
     ``tree_te_hybrid_stack_spec``; RoPE, untied embeddings) on the current GPU; ``overrides`` are
-    ``TransformerConfig`` fields. Needs :func:`init_single_gpu` first."""
+    ``TransformerConfig`` fields; ``grouped_experts``: MoE experts on torch's grouped GEMM (local
+    spec only, ``megatron_harts.moe.grouped``). Needs :func:`init_single_gpu` first."""
+    if grouped_experts and spec == "te":
+        raise ValueError("grouped_experts is for the local spec; the TE spec has TE's grouped experts already")
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     cfg = tiny_hybrid_config(pattern, **{"init_method_std": 0.02, **overrides}, params_dtype=torch.bfloat16,
                              bf16=True, use_cpu_initialization=False)
-    stack = tree_te_hybrid_stack_spec() if spec == "te" else tree_hybrid_stack_spec(cfg.num_moe_experts)
+    stack = tree_te_hybrid_stack_spec() if spec == "te" else tree_hybrid_stack_spec(
+        cfg.num_moe_experts, grouped_experts=grouped_experts)
     model = HybridModel(config=cfg, hybrid_stack_spec=stack,
                         vocab_size=vocab_size, max_sequence_length=max_sequence_length, hybrid_layer_pattern=pattern,
                         position_embedding_type="rope", share_embeddings_and_output_weights=False)

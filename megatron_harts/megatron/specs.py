@@ -53,10 +53,16 @@ def treeify(spec: ModuleSpec, attention_backend: str = "auto") -> ModuleSpec:
 
 
 def tree_hybrid_stack_spec(num_moe_experts: Optional[int] = None, qk_layernorm: bool = False,
-                           attention_backend: str = "auto") -> ModuleSpec:
+                           attention_backend: str = "auto", grouped_experts: bool = False) -> ModuleSpec:
     """Local (non-TE) hybrid stack spec with tree-aware ``G`` and ``*`` layers; arguments as
-    ``cpu_shim.local_hybrid_stack_spec`` and :func:`treeify`."""
-    return treeify(local_hybrid_stack_spec(num_moe_experts, qk_layernorm), attention_backend)
+    ``cpu_shim.local_hybrid_stack_spec`` and :func:`treeify`. ``grouped_experts``: MoE experts as
+    Megatron's ``TEGroupedMLP`` on torch's grouped GEMM (``megatron_harts.moe.grouped``) instead of
+    ``SequentialMLP``."""
+    spec = treeify(local_hybrid_stack_spec(num_moe_experts, qk_layernorm), attention_backend)
+    if grouped_experts and isinstance(spec.submodules.moe_layer, ModuleSpec):
+        from ..moe.grouped import use_grouped_experts
+        use_grouped_experts(spec.submodules.moe_layer)
+    return spec
 
 
 def _copy_spec(x):
