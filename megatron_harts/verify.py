@@ -1,7 +1,7 @@
 """Check tree-packed training against the trajectory-wise baseline on a Megatron model.
 
 ``python -m megatron_harts.verify --pattern 'G*-G-' --seed 0 [--trajectories FILE.jsonl]
-[--recompute] [--num-moe-experts N] [--dtype float32|float64] [--chunk-size C] [--mutant NAME]
+[--recompute] [--num-moe-experts N [--grouped-experts]] [--dtype float32|float64] [--chunk-size C] [--mutant NAME]
 [--device cpu|cuda] [--model tiny|1.5b] [--spec local|te]`` builds a ``HybridModel`` with
 ``tree_hybrid_stack_spec``, runs the same weights on ``pack_trajectories(trees)`` (every
 trajectory its own chain: THD packing) and on ``pack(trees)``, and prints one JSON line::
@@ -492,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute", action="store_true", help="full activation recomputation, 1 layer per chunk")
     ap.add_argument("--num-moe-experts", type=int, help="experts of 'E' layers (tree router: "
                     "multiplicity-weighted aux losses, z-loss and expert-bias counts, all on)")
+    ap.add_argument("--grouped-experts", action="store_true", help="MoE experts on torch's grouped GEMM "
+                    "(megatron_harts.moe.grouped) instead of SequentialMLP")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: fp32 tiny model; cuda: bf16")
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                     help="cpu: model dtype (float64: tolerances 1e-6 by default, decay included)")
@@ -525,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
         args.pattern = HYBRID_1P5B[0]
     if "E" in args.pattern and not args.num_moe_experts:
         ap.error(f"--pattern {args.pattern!r} has MoE layers ('E'): give their expert count with --num-moe-experts N")
+    if args.grouped_experts and not args.num_moe_experts:
+        ap.error("--grouped-experts needs MoE layers ('E' in --pattern and --num-moe-experts N)")
+    if args.grouped_experts and args.spec == "te":
+        ap.error("--grouped-experts is for the local spec (--spec te has TE's grouped experts)")
     if args.num_moe_experts and "E" not in args.pattern:
         ap.error(f"--num-moe-experts needs MoE layers ('E') in --pattern (got {args.pattern!r})")
     if args.mutant and args.mutant != "all" and not any(c in args.pattern for c in MUTANTS[args.mutant].layers):
@@ -557,7 +563,8 @@ def _main_cpu(args) -> int:
         cpu_shim.cpu_manual_seed(args.seed)
         model = cpu_shim.build_tiny_hybrid_model(args.pattern, vocab_size=vocab, init_method_std=0.1,
                                                  max_sequence_length=max(len(t.tokens) for t in trajs),
-                                                 hybrid_stack_spec=tree_hybrid_stack_spec(args.num_moe_experts),
+                                                 hybrid_stack_spec=tree_hybrid_stack_spec(
+                                                     args.num_moe_experts, grouped_experts=args.grouped_experts),
                                                  params_dtype=dtype, **moe, **(RECOMPUTE if args.recompute else {}))
         for prm in model.parameters():      # the torch norms ignore params_dtype
             prm.data = prm.data.to(dtype)
@@ -595,7 +602,8 @@ def _main_cuda(args) -> int:
     moe = dict(MOE_OBJECTIVES, num_moe_experts=args.num_moe_experts, moe_router_dtype="fp32") \
         if args.num_moe_experts else {}
     over = dict(over, **moe, **(RECOMPUTE if recompute else {}))
-    model = build_gpu_hybrid_model(pattern, vocab, max(len(t.tokens) for t in trajs), spec=args.spec, **over)
+    model = build_gpu_hybrid_model(pattern, vocab, max(len(t.tokens) for t in trajs), spec=args.spec,
+                                   grouped_experts=args.grouped_experts, **over)
     run = lambda layout, **kw: run_side(model, trees, layout, weights, args.chunk_size, "cuda", **kw)  # noqa: E731
     base = run(pack_trajectories)
     rerun = run(pack_trajectories, reverse=True)

@@ -79,7 +79,11 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     args = ap.parse_args(argv)
+    if args.watchdog:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     init_megatron(args.device)
     from megatron_harts.moe.grouped import sequential_to_grouped

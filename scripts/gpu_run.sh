@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU benchmark step with fla's saved autotuning (configs/fla/<GPU>) reused and extended.
 #   scripts/gpu_run.sh STEP [extra args]      STEP: check | ops | e2e-swe | e2e-tau | e2e-sweep | e2e-moe
-#                                                   | e2e-norc | verify | verify-moe | calibrate | pretrain | rl | libra
+#                                                   | e2e-moe-grouped | moe-experts | e2e-norc | verify | verify-moe | calibrate | pretrain | rl | libra
 # rl: the on-policy RL loop with SGLang (scripts/gpu_rl.py; SGLang in /tmp/site, see scripts/device/)
 # e2e-norc: recomputation off at 16K-token microbatches (the 1.48B model without recomputation runs
 # out of memory at 32K on the 139 GiB H200, so SWE-like trajectories of up to 64K tokens cannot run).
@@ -40,6 +40,9 @@ case "$step" in
   e2e-tau)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_tau.json --models dense --workloads tau --recompute on "${save[@]}" "$@" ;;
   e2e-sweep) python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_sweep.json --models dense --workloads sweep --recompute on "${save[@]}" "$@" ;;
   e2e-moe)   python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_moe.json --models moe --workloads swe,tau --recompute on "${save[@]}" "$@" ;;
+  e2e-moe-grouped) python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_moe_grouped.json --models moe --workloads swe,tau \
+               --recompute on --grouped-experts "${save[@]}" "$@" ;;
+  moe-experts) python3 scripts/bench_moe_experts.py --out "$OUT" "$@" ;;
   e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_norc16k.json --models dense --workloads tau,sweep \
                --compressions 2,6,10 --capacity 16384 --recompute off "${save[@]}" "$@" ;;
   rl)        python3 scripts/gpu_rl.py --out "$OUT" "$@" ;;

@@ -270,3 +270,13 @@ def test_plan_checks_hold_on_corner_case_trees(case):
 def test_plan_checks_hold_on_random_trees(token_lists):
     p = _tree_pack(token_lists, 4)
     assert verify.plan_errors(p) == {"plan/attention_mask": 0, "plan/linear_attention": 0, "plan/positions": 0}
+
+
+def test_mutants_rejected_with_grouped_experts(workload):
+    """The same checks with the MoE experts on torch's grouped GEMM (``--grouped-experts``)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = verify.main(["--trajectories", workload[0], *MODEL, "--grouped-experts", "--mutant", "all"])
+    res = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert rc == 0 and res["all_rejected"] and res["unmutated"]["margin"] < 1, res["summary"]
+    assert "experts" in res["unmutated"]["per_class"]
