@@ -172,7 +172,8 @@ def plan_errors(p, block_rows: int = 1024) -> dict[str, int]:
       ``t + 1`` tokens in all (``[block_rows, C]`` at a time; C = padded columns on CUDA);
     * ``plan/positions``: compact tokens whose RoPE position differs from their trajectory position;
     * ``plan/linear_attention``: broken links of the chunk plan that the GDN / Mamba layers run
-      (:func:`chunk_plan_errors`);
+      (:func:`chunk_plan_errors`; on CUDA the fla path runs ``fused_rounds``, built from this plan:
+      a bug in that build shows in the numeric gates only);
     * ``plan/moe_multiplicity`` (only when the router's weights are cached on the pack, i.e. after an
       ``E`` layer ran or a mutant built them): tokens whose router weight is not the number of
       trajectories through them.
@@ -474,6 +475,10 @@ def _check_runs(args, run_tree, gates_of) -> int:
     summary = {n: {"rejected": rcs.get(n) == 1, "margin": r.get("margin"), "worst_gate": r.get("worst_gate"),
                    "numeric_margin": r.get("numeric_margin"), "numeric_worst_gate": r.get("numeric_worst_gate"),
                    "exercised": r["mutant"].get("exercised")} for n, r in muts.items()}
+    if not any(s["exercised"] for s in summary.values()):
+        print("verify --mutant all: no mutant changes anything in this workload; use a smaller --chunk-size or "
+              "trajectories with more branches", file=sys.stderr)
+        return 2
     ok = rcs[None] == 0 and all(s["rejected"] for s in summary.values() if s["exercised"])
     print(json.dumps({"unmutated": out[None], "mutants": muts, "summary": summary, "all_rejected": ok}))
     for n, s_ in summary.items():

@@ -16,7 +16,7 @@ from trees import corner_cases
 VOCAB, C, E = 64, 8, 4
 
 
-@pytest.mark.parametrize("counts", [[8, 0, 24, 16], [0, 0, 0, 48], [1, 2, 3, 42], [0, 0, 0, 0]])
+@pytest.mark.parametrize("counts", [[8, 0, 24, 16], [0, 0, 0, 48], [1, 2, 3, 42]])
 def test_grouped_linear_equals_the_per_expert_loop(counts):
     """Outputs and both gradients, empty experts and an empty batch included (fp32, CPU kernel)."""
     g = torch.Generator().manual_seed(0)
@@ -36,9 +36,21 @@ def test_grouped_linear_equals_the_per_expert_loop(counts):
         grouped_linear(x, w, counts[:-1])
 
 
+def test_empty_batch_keeps_the_weight_in_the_graph():
+    w = torch.randn(E, 32, 16, requires_grad=True)
+    y = grouped_linear(torch.zeros(0, 16), w, [0] * E)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert w.grad is not None and not w.grad.any()
+
+
 def test_grouped_applies_only_to_aligned_rows():
     assert not grouped_applies(torch.zeros(4, 6), torch.zeros(2, 8, 6))        # 24-byte rows
     assert grouped_applies(torch.zeros(4, 8), torch.zeros(2, 12, 8))
+    x64, w64 = torch.randn(6, 8, dtype=torch.float64), torch.randn(2, 12, 8, dtype=torch.float64)
+    assert not grouped_applies(x64, w64)                                        # torch's kernel has no fp64
+    want = torch.cat([x64[:2] @ w64[0].t(), x64[2:] @ w64[1].t()])
+    assert torch.equal(grouped_linear(x64, w64, [2, 4]), want)                # the loop runs instead
 
 
 def _trees():
@@ -87,11 +99,16 @@ def test_grouped_experts_equal_sequential_mlp_and_trees_equal_trajectories():
         tol = lambda k: 1e-4 if k.endswith(verify.DECAY_PARAMS) else 1e-5  # noqa: E731
         bad = {k: e for k in t_g if (e := verify.rel_diff(g_g[k], t_g[k])) > tol(k)}
         assert not bad, bad
+        with pytest.raises(NotImplementedError, match="distributed checkpoints"):
+            grp.sharded_state_dict()
 
 
 def test_unsupported_settings_are_refused():
     import copy
     cfg = cpu_shim.tiny_hybrid_config("*E", num_moe_experts=E)
+    w = TorchGroupedLinear(E, 16, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False, skip_bias_add=False,
+                           is_expert=True)
+    assert w.weight.tensor_model_parallel and w.weight.partition_dim == 0 and w.weight.allreduce
     with pytest.raises(NotImplementedError, match="biases"):
         TorchGroupedLinear(E, 16, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=True, skip_bias_add=False,
                            is_expert=True)

@@ -194,6 +194,8 @@ def test_mutant_that_the_workload_cannot_show_exits_2(tmp_path):
     path.write_text("".join(json.dumps({"tokens": [i + 1] + list(range(2, 12))}) + "\n" for i in range(3)))
     rc, _ = _verify("--trajectories", str(path), "--pattern", "G*", "--mutant", "sibling_visible")
     assert rc == 2
+    rc, _ = _verify("--trajectories", str(path), "--pattern", "G*", "--mutant", "all")
+    assert rc == 2                      # nothing tested is not a pass
 
 
 def test_float64_layouts_agree_to_1e_6_decay_included(workload, capsys):
@@ -280,3 +282,10 @@ def test_mutants_rejected_with_grouped_experts(workload):
     res = json.loads(out.getvalue().strip().splitlines()[-1])
     assert rc == 0 and res["all_rejected"] and res["unmutated"]["margin"] < 1, res["summary"]
     assert "experts" in res["unmutated"]["per_class"]
+    from megatron_harts.megatron import cpu_shim, tree_hybrid_stack_spec
+    with cpu_shim.cpu_megatron(seed=0):                       # the flag reaches the model: grouped weights
+        m = cpu_shim.build_tiny_hybrid_model("G*E", vocab_size=64, num_moe_experts=4,
+                                             hybrid_stack_spec=tree_hybrid_stack_spec(4, grouped_experts=True))
+    names = [n for n, _ in m.named_parameters()]
+    assert any(n.endswith("mlp.experts.linear_fc1.weight") for n in names)
+    assert not any("local_experts" in n for n in names)

@@ -17,7 +17,8 @@ linear layer for all experts, forward and backward (dgrad and wgrad are grouped 
 * ``backend``: ``grouped`` (``torch._grouped_mm``), ``loop`` (one ``F.linear`` per expert: the
   reference, same signature, also the fallback where the grouped kernel does not apply: rows not
   16-byte aligned, fp32 on CUDA), ``auto`` (default: ``grouped`` where it applies);
-* not supported (raised at construction): expert tensor parallelism > 1, biases.
+* not supported (raised at construction): expert tensor parallelism > 1, biases; Megatron
+  distributed checkpoints (``sharded_state_dict`` raises; ``state_dict()`` works).
 
 :func:`use_grouped_experts` swaps the experts of a MoE layer spec (``treeify_moe``'s counterpart),
 ``tree_hybrid_stack_spec(..., grouped_experts=True)`` does it for the tree spec. Checkpoints of such
@@ -48,9 +49,12 @@ def _offsets(tokens_per_expert: list[int], device) -> torch.Tensor:
 
 def grouped_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` can run ``x [N, in]`` against ``weight [E, out, in]``: the
-    op exists, rows are 16-byte aligned, and on CUDA the dtype is bf16."""
+    op exists, both have one dtype among fp32 / bf16 / fp16 (bf16 on CUDA), rows are 16-byte
+    aligned."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False                                   # e.g. float64: the per-expert loop
     item = x.element_size()
     if (weight.shape[1] * item) % 16 or (weight.shape[2] * item) % 16:
         return False
@@ -123,15 +127,27 @@ class TorchGroupedLinear(torch.nn.Module):
                 for e in range(num_gemms):
                     init_method(w[e])
         self.weight = torch.nn.Parameter(w)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)  # as Megatron's expert linears
         expert_pgs = is_expert and ((config.expert_model_parallel_size or 1) > 1
                                     or (config.expert_tensor_parallel_size or 1) != config.tensor_model_parallel_size)
         setattr(self.weight, "allreduce", not expert_pgs)
+        self._name = name or tp_comm_buffer_name or "expert linear"
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]):
         return grouped_linear(x, self.weight, tokens_per_expert, self.backend), None
 
     def backward_dw(self) -> None:
         """Megatron's delayed-wgrad hook: the weight gradient is computed in backward here."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Megatron distributed checkpoints (``dist_checkpointing``) of grouped experts are not
+        supported yet: refused, so no checkpoint is written with the experts' global layout wrong
+        (``TEGroupedMLP`` expects TE's per-expert ``weight{i}`` shards). ``state_dict()`` works."""
+        raise NotImplementedError(f"TorchGroupedLinear ({self._name}): Megatron distributed checkpoints of "
+                                  "grouped-GEMM experts are not supported; save with torch's state_dict(), or "
+                                  "train with SequentialMLP experts (grouped_experts=False) when saving "
+                                  "distributed checkpoints")
 
 
 def grouped_experts_builder(backend: str = "auto"):

@@ -63,8 +63,10 @@ class LoopConfig:
     (the trajectory JSONL format, readable by ``megatron_harts.tree.read_jsonl``);
     ``sft_warmup_steps`` supervised steps on scripted episodes first, at ``warmup_lr`` (default
     ``lr``); ``router``: ``sticky`` (sticky least-loaded) or ``war`` (WAR's scheduler, per rollout
-    worker); ``shadows``: Belayer shadow workers beside the ``num_engines`` serving ones (0: off;
-    needs started engines and the local path)."""
+    worker; ``router_cache_hit`` per step: WAR's modelled prefix-cache hit rate of that step's turns);
+    ``shadows``: Belayer shadow workers beside the ``num_engines`` serving ones (0: off; needs started
+    engines and the local path; the supervisor stops its servers at the end, ``keep_engines`` or not;
+    a row's ``failovers`` are those since the previous row: its rollout, training and weight push)."""
 
     steps: int = 2
     engine: str = "embedded"
@@ -134,9 +136,11 @@ class RolloutWorker:
                               rollout, pick_engine=pick)
 
     def rollout(self, tasks: list[int], group_ids: list[str]):
+        st = self.scheduler.stats if self.scheduler is not None else None
+        before = (st["started_cached"], st["started_prompt"]) if st is not None else None
         res = self.loop.rollout(tasks, group_ids)
-        if self.scheduler is not None:
-            res.stats["router_cache_hit"] = self.scheduler.cache_hit()
+        if st is not None:                  # this call's turns only (the scheduler's counters are cumulative)
+            res.stats["router_cache_hit"] = (st["started_cached"] - before[0]) / max(1, st["started_prompt"] - before[1])
         return res
 
     def demonstrations(self, tasks: list[int], group_ids: list[str]):
@@ -353,10 +357,9 @@ class RLLoop:
                 path, _ = _get(_call(self.trainer, "export", "v0w", use_ray=ray_), ray_)
                 self._push(path, "v0w")
                 served = "v0w"
+            events_seen = 0          # failovers are counted in the row of the step they fell in (or before)
             for step in range(cfg.steps):
-                events_before = len(self.supervisor.events) if self.supervisor is not None else 0
                 trajs, failed, rs = self._rollout(step)
-                events = self.supervisor.events[events_before:] if self.supervisor is not None else []
                 if not trajs:
                     raise RuntimeError(f"step {step}: every episode failed ({failed[:3]})")
                 if rs["weight_versions"] != [served]:     # on-policy: every turn on the pushed weights
@@ -372,6 +375,8 @@ class RLLoop:
                 export_s = time.perf_counter() - t0
                 push_s = self._push(path, version)
                 served = version
+                events = self.supervisor.events[events_seen:] if self.supervisor is not None else []
+                events_seen += len(events)
                 row = {"step": step, "engine": cfg.engine, "trainer": cfg.trainer, "rollout_s": rs["rollout_s"],
                        "train_s": m["train_s"], "sync_s": export_s + push_s, "sync_export_s": export_s,
                        "sync_push_s": push_s, "sync_bytes": ws.get("bytes"), "compression": m["compression"],

@@ -214,7 +214,18 @@ class Supervisor:
     def start(self) -> "Supervisor":
         """Start the active workers and the shadows (in parallel) and the monitor."""
         n = self.num_active + self.num_shadows
-        workers = list(self._pool.map(lambda _: self._new_worker(), range(n)))
+        futures = [self._pool.submit(self._new_worker) for _ in range(n)]
+        workers, errors = [], []
+        for f in futures:
+            try:
+                workers.append(f.result())
+            except Exception as e:       # noqa: BLE001 - stop the ones that came up, then raise
+                errors.append(e)
+        if errors:
+            for w in workers:
+                self._stop_quietly(w)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            raise errors[0]
         with self._lock:
             self.slots = workers[:self.num_active]
             self.shadows.extend(workers[self.num_active:])
