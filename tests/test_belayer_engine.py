@@ -143,6 +143,35 @@ def test_weight_update_reaches_active_and_shadow_workers(sup):
     assert all(w.engine.weight_version() == "v1" for w in workers)    # asked from the servers themselves
 
 
+def test_a_shadow_that_misses_a_weight_update_is_never_promoted(tmp_path):
+    """Kill the shadow's server, push v1: the update fails on the shadow, which is dropped and
+    replaced by a new one started on v1; killing the active worker then promotes a v1 shadow."""
+    ck = make_tiny_checkpoint(tmp_path / "ckpt", call_prob=0.15, eos_prob=0.02)
+
+    def start(path, version):
+        return EmbeddedServer(path, weight_version=version, threads=1,
+                              log_path=str(tmp_path / f"engine-{time.time_ns()}.log")).start()
+
+    s = Supervisor(start, ck["path"], "v0", num_active=1, num_shadows=1, health_interval_s=0.25).start()
+    try:
+        dead = s.shadows[0]
+        kill_server(dead.server)
+        s.update_weights_from_disk(ck["path"], "v1")
+        assert dead not in s.shadows
+        deadline = time.monotonic() + 120
+        while not s.shadows:
+            assert time.monotonic() < deadline, "no replacement shadow came up"
+            time.sleep(0.2)
+        assert s.shadows[0].version == "v1" and s.shadows[0].engine.weight_version() == "v1"
+        kill_server(s.worker(0).server)
+        eng = s.engine(0) if s.worker(0) is not None and s.worker(0).engine.alive(timeout=1.0) else \
+            s.failover(0, s.worker(0).engine, "test: killed")
+        assert eng.weight_version() == "v1"
+        assert s.events and s.events[-1].how.startswith("shadow")
+    finally:
+        s.close()
+
+
 # --------------------------------------------------------------------------- the fault suite
 TASKS = list(range(6))
 CFG = RolloutConfig(group_size=4, max_new_tokens=12, max_concurrency=8, seed=0)

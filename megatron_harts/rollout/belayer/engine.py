@@ -303,8 +303,8 @@ class Supervisor:
 
     def _replace(self, slot: int, failed: Worker, cause: str, t_detect: float) -> Worker:
         self._pool.submit(self._stop_quietly, failed)          # reap the dead server in the background
+        new = self._take_shadow()
         with self._cv:
-            new = self.shadows.popleft() if self.shadows else None
             waiting_for_shadow = new is None and self._starting > 0
         how = "shadow"
         if new is None and waiting_for_shadow:                 # one is starting: wait for it
@@ -312,7 +312,7 @@ class Supervisor:
                 deadline = time.monotonic() + self.failover_timeout_s
                 while not self.shadows and self._starting > 0 and time.monotonic() < deadline:
                     self._cv.wait(0.5)
-                new = self.shadows.popleft() if self.shadows else None
+            new = self._take_shadow()
             how = "shadow (waited)"
         if new is None:                                        # no shadow: cold start (the baseline)
             new = self._new_worker()
@@ -326,6 +326,22 @@ class Supervisor:
                     new.name, how, ev.seconds)
         self._refill()
         return new
+
+    def _take_shadow(self) -> Worker | None:
+        """A ready shadow at the current weight version (a stale one is updated first; one whose
+        update fails is stopped and the next is tried), or None."""
+        while True:
+            with self._cv:
+                if not self.shadows:
+                    return None
+                w = self.shadows.popleft()
+                path, version = self.model_path, self.version
+            try:
+                self._update_worker(w, path, version)
+                return w
+            except Exception as e:      # noqa: BLE001 - a broken shadow is discarded, not promoted
+                log.warning("belayer: shadow %s could not load %s (%s); discarded", w.name, version, e)
+                self._pool.submit(self._stop_quietly, w)
 
     def _refill(self) -> None:
         """Start shadows in the background until ``num_shadows`` are ready or starting."""
@@ -387,14 +403,23 @@ class Supervisor:
         with self._lock:
             self.model_path, self.version = str(path), version
             workers = [w for w in self.slots if w is not None] + list(self.shadows)
-        errors = []
+        errors, stale = [], []
         for w, f in [(w, self._pool.submit(self._update_worker, w, str(path), version)) for w in workers]:
             try:
                 f.result()
-            except Exception as e:     # noqa: BLE001 - a dead worker is the monitor's business
+            except Exception as e:     # noqa: BLE001 - a dead active worker is the monitor's business
                 errors.append(f"{w.name}: {e}")
+                stale.append(w)
         if errors:
             log.warning("belayer: weight update to %s failed on %s", version, errors)
+        with self._cv:                 # a shadow that missed the update must never be promoted: replace it
+            dropped = [w for w in stale if w in self.shadows]
+            for w in dropped:
+                self.shadows.remove(w)
+        for w in dropped:
+            self._pool.submit(self._stop_quietly, w)
+        if dropped:
+            self._refill()             # new shadows come up on this version
         return time.monotonic() - t0
 
     def versions(self) -> dict[str, str | None]:
