@@ -56,6 +56,8 @@ Plan checks (exact, no floating point; gate 0): the derived plans that the layer
 pack are checked against the trajectories themselves (:func:`plan_errors`): ``plan/attention_mask``
 (rows of the attention mask the kernel will use, the FlexAttention block mask's ``mask_mod`` on CUDA
 and the dense SDPA mask on CPU, that do not allow exactly the token's own trajectory prefix),
+``plan/linear_attention`` (broken links of the chunk plan the GDN / Mamba layers run: parent order,
+zero states only at roots, handoffs from the parent's sequence, outputs from their own token),
 ``plan/positions`` (RoPE positions that are not the token's position in its trajectories) and,
 with MoE layers, ``plan/moe_multiplicity`` (router token weights that are not the number of
 trajectories through the token). A bf16 run on random weights cannot see one wrongly visible token

@@ -156,8 +156,9 @@ def precompile_tree_attention(model: torch.nn.Module, packs, dtype: torch.dtype 
     (``ops.attention.flex_length``), ``tree_attention`` on random q/k/v of the layers' head shapes,
     once without grad (the forward of full recomputation) and once with grad and backward. Packs of
     a length seen before cost nothing. Training is in this state after its first steps (every pack
-    length of the run compiled once); a benchmark that times later steps calls this on the packs it
-    will time, and the packs themselves are untouched (their block masks are built again when used).
+    length of the run compiled once); a benchmark that times later steps calls this on packs of the
+    batches it will time, from a planning pass it then discards (the block masks built here are
+    cached on the packs given, so timed steps that plan and pack again build their own).
     Returns the number of lengths compiled now."""
     from ..ops.attention import flex_length
     mods = [m for m in model.modules() if isinstance(m, TreeCoreAttention)]

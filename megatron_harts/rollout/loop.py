@@ -29,6 +29,7 @@ trainer's tree-packed log-probs of the same tokens under the same weights.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -262,7 +263,7 @@ class RLLoop:
         if cfg.shadows:
             from .belayer.engine import ResumableEngine, Supervisor
             from .engines import start_engine
-            logs = iter(range(1 << 30))
+            logs = itertools.count()
 
             def start_server(model_path, version):
                 return start_engine(cfg.engine, model_path, log_path=str(self.out / f"engine{next(logs)}.log"),
