@@ -8,6 +8,9 @@ Parts (``--parts``, default ``drafters,cpu``):
   suffix drafter, arctic-inference's ``SuffixDecodingCache`` and SGLang 0.5.17's ``NgramCorpus``
   (plain, and with completed trajectories as an external corpus) at equal draft budgets:
   accepted tokens per verification step and drafter latency per call.
+* ``drafters_sampled`` (CPU, offline): the same replay on code_repair episodes *sampled* from a
+  trained model (``--model-path``; ``python -m megatron_harts.rollout.text_model`` makes one
+  here) by the agent loop on the embedded engine: the model's own turns.
 * ``cpu``: a small synchronous RL step of agentic trajectories (``--family``, random tiny
   Qwen3-Next, the embedded engine) on CPU: low load (one replica, speculation off vs on) and
   "high" load (``--replicas`` replicas, WAR scheduler vs sticky least-loaded vs sglang-router
@@ -61,18 +64,14 @@ def fail(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ drafters
-def part_drafters(args) -> list[dict]:
-    from megatron_harts.rollout.war.replay import (ArcticMethod, OursMethod, SGLangNgramMethod, code_repair_streams,
-                                                   replay)
+def _replay_rows(args, streams, part: str, label: str) -> list[dict]:
+    from megatron_harts.rollout.war.replay import ArcticMethod, OursMethod, SGLangNgramMethod, replay
     from megatron_harts.rollout.war.sglang_plugin import sglang_site
     from megatron_harts.rollout.war.suffix import DrafterConfig
 
     sglang_site()
-    t0 = time.perf_counter()
-    streams = code_repair_streams(args.tasks, args.samples, args.steps, seed=0)
     n_tok = sum(len(s.tokens) for s in streams)
     n_gen = sum(sum(s.loss_mask) for s in streams)
-    log.info("%d streams, %d tokens (%d model tokens) in %.1f s", len(streams), n_tok, n_gen, time.perf_counter() - t0)
     rows = []
     for budget in args.budgets:
         methods = [OursMethod(DrafterConfig(max_depth=args.depth, budget=budget)),
@@ -81,17 +80,53 @@ def part_drafters(args) -> list[dict]:
                    SGLangNgramMethod(budget, external=True)]
         for m in methods:
             r = replay(m, streams)
-            row = {"part": "drafters", "method": r.method, "budget": budget, "accept_len": round(r.accept_len, 3),
+            row = {"part": part, "method": r.method, "budget": budget, "accept_len": round(r.accept_len, 3),
                    "accepted_per_step": round(r.accept_len - 1, 3), "verify_steps": r.steps,
                    "model_tokens": r.emitted, "draft_us_mean": round(r.draft_us_mean, 1),
                    "draft_us_median": round(r.draft_us_median, 1),
                    "draft_us_p99": round(r.draft_us_p99, 1), "index_s": round(r.update_s, 2),
                    "accept_len_by_step": {str(k): round(v, 3) for k, v in r.accept_len_by_step.items()},
-                   "streams": f"code_repair scripted x{len(streams)} ({args.tasks} tasks x {args.samples} samples x "
+                   "streams": f"{label} x{len(streams)} ({args.tasks} tasks x {args.samples} samples x "
                               f"{args.steps} steps), {n_tok} byte tokens, {n_gen} model tokens",
                    "device": "cpu (2 shared cores)"}
             log.info("%s", row)
             rows.append(row)
+    return rows
+
+
+def part_drafters(args) -> list[dict]:
+    """Scripted code_repair episodes (real sandboxes) replayed through every drafter."""
+    from megatron_harts.rollout.war.replay import code_repair_streams
+
+    t0 = time.perf_counter()
+    streams = code_repair_streams(args.tasks, args.samples, args.steps, seed=0)
+    log.info("%d scripted streams in %.1f s", len(streams), time.perf_counter() - t0)
+    return _replay_rows(args, streams, "drafters", "code_repair scripted")
+
+
+def part_drafters_sampled(args) -> list[dict]:
+    """code_repair episodes sampled from a trained model (``--model-path``, e.g. made by
+    ``python -m megatron_harts.rollout.text_model``) on the embedded engine, then replayed
+    through every drafter: the model's own turns, not scripted ones."""
+    from megatron_harts.rollout.engines import EmbeddedServer
+    from megatron_harts.rollout.war.replay import sampled_streams
+
+    if not args.model_path or not (Path(args.model_path) / "config.json").is_file():
+        fail(f"--parts drafters_sampled needs --model-path to a checkpoint with config.json, got {args.model_path!r}")
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_war_sampled_"))
+    with EmbeddedServer(args.model_path, threads=2, log_path=str(tmp / "engine.log")) as srv:
+        streams = sampled_streams(srv.engine(timeout=600), "code_repair", args.tasks, args.samples, args.steps,
+                                  max_new_tokens=args.sampled_max_new_tokens, max_turns=args.sampled_max_turns)
+    log.info("%d sampled streams in %.1f s", len(streams), time.perf_counter() - t0)
+    if args.save_streams:
+        with open(args.save_streams, "w") as f:
+            for st in streams:
+                f.write(json.dumps({"traj_id": st.traj_id, "group": st.group, "step": st.step, "tokens": st.tokens,
+                                    "loss_mask": st.loss_mask}) + "\n")
+    rows = _replay_rows(args, streams, "drafters_sampled", f"code_repair sampled from {Path(args.model_path).name}")
+    for r in rows:
+        r["sampling_s"] = round(time.perf_counter() - t0, 1)
     return rows
 
 
@@ -306,8 +341,9 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     dr = [r for r in rows if r.get("part") == "drafters"]
+    ds = [r for r in rows if r.get("part") == "drafters_sampled"]
     cpu = [r for r in rows if r.get("part") == "cpu"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4 if ds else 3, figsize=(20 if ds else 15, 4.2))
     budgets = sorted({r["budget"] for r in dr})
     methods = list(dict.fromkeys(r["method"] for r in dr))
     w = 0.8 / max(len(methods), 1)
@@ -323,6 +359,16 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(t, fontsize=10)
     axes[0].legend(fontsize=7)
     axes[0].set_xlabel("offline replay, code_repair streams (CPU)")
+    if ds:
+        b_s = sorted({r["budget"] for r in ds})
+        m_s = list(dict.fromkeys(r["method"] for r in ds))
+        ws = 0.8 / max(len(m_s), 1)
+        for j, m in enumerate(m_s):
+            acc = [next((r["accept_len"] for r in ds if r["method"] == m and r["budget"] == b), 0) for b in b_s]
+            axes[3].bar([i + j * ws for i in range(len(b_s))], acc, ws, label=m)
+        axes[3].set_xticks([i + 0.4 - ws / 2 for i in range(len(b_s))], [f"budget {b}" for b in b_s])
+        axes[3].set_title("accept length, episodes sampled from the trained text model", fontsize=10)
+        axes[3].legend(fontsize=7)
     if cpu:
         labels = [f"{r['load']}\n{r['policy']}" for r in cpu]
         axes[2].bar(range(len(cpu)), [r["tokens_per_s"] for r in cpu], color=["C0" if r["load"] == "low" else "C1"
@@ -335,10 +381,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def tables(rows: list[dict]) -> tuple[str, str]:
     """Markdown tables of the drafter rows and of the rollout rows."""
-    dr = ["| budget | method | tokens / verification | accepted / step | verify steps | draft us (median / mean / p99) "
-          "| indexing s | accept len by RL step |", "|---|---|---|---|---|---|---|---|"]
-    for r in (r for r in rows if r.get("part") == "drafters"):
-        dr.append(f"| {r['budget']} | {r['method']} | {r['accept_len']:.2f} | {r['accepted_per_step']:.2f} | "
+    dr = ["| streams | budget | method | tokens / verification | accepted / step | verify steps | draft us (median / mean / p99) "
+          "| indexing s | accept len by RL step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r.get("part") in ("drafters", "drafters_sampled")):
+        kind = "sampled" if r["part"] == "drafters_sampled" else "scripted"
+        dr.append(f"| {kind} | {r['budget']} | {r['method']} | {r['accept_len']:.2f} | {r['accepted_per_step']:.2f} | "
                   f"{r['verify_steps']} | {r.get('draft_us_median', float('nan')):.0f} / {r['draft_us_mean']:.0f} / "
                   f"{r['draft_us_p99']:.0f} | {r['index_s']:.1f} | "
                   + ", ".join(f"{v:.2f}" for v in r["accept_len_by_step"].values()) + " |")
@@ -361,7 +408,7 @@ def write_md(rows: list[dict], path: Path, command: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="drafters,cpu", help="comma list of drafters, cpu, h200")
+    p.add_argument("--parts", default="drafters,cpu", help="comma list of drafters, drafters_sampled, cpu, h200")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "war.json"))
     p.add_argument("--tasks", type=int, default=6, help="drafters: code_repair tasks")
     p.add_argument("--samples", type=int, default=4, help="drafters: samples per task and step")
@@ -381,7 +428,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="cpu: interleaved repeats of the high-load policies")
     p.add_argument("--merge", action="store_true", help="keep rows of parts not rerun from --out")
     p.add_argument("--force-calls", type=int, default=1, help="1: run call-less turns as `ls` (random models)")
-    p.add_argument("--model-path", default=None, help="h200: the served checkpoint")
+    p.add_argument("--model-path", default=None, help="h200, drafters_sampled: the served checkpoint")
+    p.add_argument("--sampled-max-new-tokens", type=int, default=256, help="drafters_sampled: tokens per turn")
+    p.add_argument("--sampled-max-turns", type=int, default=6, help="drafters_sampled: model turns per episode")
+    p.add_argument("--save-streams", default=None, help="drafters_sampled: write the sampled streams (JSONL)")
     p.add_argument("--mem-fraction", type=float, default=0.85, help="h200: GPU memory split over the replicas")
     p.add_argument("--sglang-args", default="", help="h200: extra launch_server flags")
     p.add_argument("--max-running", type=int, default=0, help="WAR admission gate per replica (0: off)")
@@ -398,14 +448,16 @@ def main(argv=None) -> int:
     args.policies = [x for x in args.policies.split(",") if x]
     parts = [x for x in args.parts.split(",") if x]
     for x in parts:
-        if x not in ("drafters", "cpu", "h200"):
-            fail(f"--parts: unknown part {x!r} (drafters, cpu, h200)")
+        if x not in ("drafters", "drafters_sampled", "cpu", "h200"):
+            fail(f"--parts: unknown part {x!r} (drafters, drafters_sampled, cpu, h200)")
     out = Path(args.out)
     rows = []
     if args.merge and out.is_file():
         rows = [r for r in json.loads(out.read_text())["rows"] if r.get("part") not in parts]
     if "drafters" in parts:
         rows += part_drafters(args)
+    if "drafters_sampled" in parts:
+        rows += part_drafters_sampled(args)
     if "cpu" in parts:
         rows += part_cpu(args)
     if "h200" in parts:

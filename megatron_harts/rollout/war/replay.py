@@ -35,6 +35,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from ..tokenizer import ByteTokenizer
 from .suffix import DrafterConfig, SuffixDrafter
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,6 @@ def code_repair_streams(n_tasks: int = 6, samples: int = 4, steps: int = 3, seed
     ``0 .. n_tasks-1`` (real sandboxes; needs bubblewrap), byte-tokenised."""
     from ..agent_loop import scripted_trajectory
     from ..envs.code_repair import CodeRepairEnv, select
-    from ..tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     out: list[Stream] = []
@@ -108,6 +108,31 @@ def code_repair_streams(n_tasks: int = 6, samples: int = 4, steps: int = 3, seed
                 tr = scripted_trajectory(env, acts, tok, traj_id=f"s{step}/t{t}/{s}", group_id=f"t{t}")
                 out.append(Stream([int(x) for x in tr.tokens], [int(x) for x in tr.loss_mask], f"t{t}", step,
                                   f"s{step}/t{t}/{s}"))
+    return out
+
+
+def sampled_streams(engine, family: str = "code_repair", n_tasks: int = 6, samples: int = 4, steps: int = 3, *,
+                    max_new_tokens: int = 256, max_turns: int = 8, temperature: float = 1.0,
+                    seed: int = 0) -> list[Stream]:
+    """``steps`` rounds of ``n_tasks x samples`` episodes sampled from ``engine`` (an
+    :class:`~megatron_harts.rollout.types.Engine`, e.g. the embedded engine serving a model from
+    :mod:`megatron_harts.rollout.text_model`) by the agent loop on ``family``'s real environments;
+    every model turn is the model's own tokens. The weights stay fixed (no training between
+    rounds): a round stands for an RL step of a slowly moving policy. Failed episodes raise."""
+    from ..agent_loop import AgentLoop, RolloutConfig
+    from ..envs import make_env
+
+    out: list[Stream] = []
+    for step in range(steps):
+        cfg = RolloutConfig(group_size=samples, max_new_tokens=max_new_tokens, max_turns=max_turns,
+                            temperature=temperature, max_concurrency=4, seed=seed * 1000 + step)
+        loop = AgentLoop(engine, ByteTokenizer(), lambda t: make_env(family, int(t), seed=seed), cfg)
+        res = loop.rollout(list(range(n_tasks)), [f"t{t}" for t in range(n_tasks)])
+        if res.failed:
+            raise RuntimeError(f"sampled_streams: {len(res.failed)} episodes failed: {res.failed[:2]}")
+        for tr in res.trajectories:
+            out.append(Stream([int(x) for x in tr.tokens], [int(x) for x in tr.loss_mask], str(tr.group_id), step,
+                              f"s{step}/{tr.traj_id}"))
     return out
 
 
