@@ -2,6 +2,10 @@
 # One GPU benchmark step with fla's saved autotuning (configs/fla/<GPU>) reused and extended.
 #   scripts/gpu_run.sh STEP [extra args]      STEP: check | ops | e2e-swe | e2e-tau | e2e-sweep | e2e-moe
 #                                                   | e2e-moe-grouped | moe-experts | e2e-norc | verify | verify-moe | calibrate | pretrain | rl | libra
+#                                                   | text-model
+# text-model: a small MoE Qwen3-Next trained on the standard library's sources + scripted code_repair
+# episodes (megatron_harts.rollout.text_model; bf16 checkpoint in $OUT/text_model/model, servable by
+# SGLang): the model of docs/war.md's H200 rows.
 # rl: the on-policy RL loop with SGLang (scripts/gpu_rl.py; SGLang in /tmp/site, see scripts/device/)
 # e2e-norc: recomputation off at 16K-token microbatches (the 1.48B model without recomputation runs
 # out of memory at 32K on the 139 GiB H200, so SWE-like trajectories of up to 64K tokens cannot run).
@@ -46,6 +50,8 @@ case "$step" in
   e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_norc16k.json --models dense --workloads tau,sweep \
                --compressions 2,6,10 --capacity 16384 --recompute off "${save[@]}" "$@" ;;
   rl)        python3 scripts/gpu_rl.py --out "$OUT" "$@" ;;
+  text-model) python3 -m megatron_harts.rollout.text_model --device cuda --out "$OUT/text_model" --moe --dtype bfloat16 \
+               --hidden-size 512 --num-layers 8 --seq-len 1024 --batch 32 --lr 1e-3 --minutes 5 "$@" ;;
   libra)     python3 scripts/libra_colocated_h200.py --out "$OUT" "$@" ;;
   verify)    python3 -m megatron_harts.verify --device cuda --model 1.5b "$@" | tee "$OUT/verify_1p5b.json" ;;
   verify-moe) python3 -m megatron_harts.verify --device cuda --pattern 'G*E-G*E-' --num-moe-experts 8 "$@" \

@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+SMOOTH = 10          # steps in the reward panel's moving mean
+
 
 def main(argv=None) -> int:
     src, dst = (argv or sys.argv[1:])[:2]
@@ -25,7 +27,12 @@ def main(argv=None) -> int:
         for name, r in runs.items():
             rows = r["rows"]
             label = {"tree": "HARTS (tree-packed)", "traj": "trajectory-wise"}.get(name, name)
-            ax.plot([x["step"] for x in rows], [x.get(key) for x in rows], marker=".", label=label)
+            xs, ys = [x["step"] for x in rows], [x.get(key) for x in rows]
+            line, = ax.plot(xs, ys, marker=".", alpha=0.45 if key == "reward_mean" else 1.0, label=label)
+            if key == "reward_mean" and len(ys) >= 2 * SMOOTH:     # the trend under per-step sampling noise
+                k = SMOOTH
+                ma = [sum(ys[i - k + 1:i + 1]) / k for i in range(k - 1, len(ys))]
+                ax.plot(xs[k - 1:], ma, color=line.get_color(), lw=2, label=f"{label}, mean of {k} steps")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)

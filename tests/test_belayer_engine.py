@@ -357,3 +357,25 @@ def test_stream_client_reads_both_sglang_forms_and_reports_a_cut_stream(incremen
         assert [x for i in got for x in i] == ids[:2]
     finally:
         srv.shutdown()
+
+
+def test_token_log_memory_is_bounded_and_never_drops_a_request_in_flight():
+    """A long run opens many requests: finished ones release their prompts and only ``keep`` of
+    them stay; one still in flight survives any number of newer requests."""
+    from megatron_harts.rollout.belayer.engine import TokenLog
+
+    log = TokenLog(keep=3)
+    sp = SamplingParams(max_new_tokens=4)
+    long_running = log.open("slow", list(range(1000)), sp)
+    for i in range(50):
+        r = log.open(f"r{i}", list(range(500)), sp)
+        log.append(r, [7, 8], [-0.1, -0.2])
+        log.finish(r, "stop")
+        assert r.prompt == [] and r.prompt_len == 500 and r.output_ids == [7, 8]
+    assert sorted(log.records) == ["r47", "r48", "r49", "slow"]
+    assert log.records["slow"] is long_running and len(long_running.prompt) == 1000
+    log.append(long_running, [1], [-1.0])
+    log.finish(long_running, "length")
+    assert sorted(log.records) == ["r48", "r49", "slow"]
+    with pytest.raises(ValueError, match="keep must be >= 0"):
+        TokenLog(keep=-1)

@@ -44,6 +44,18 @@ def test_prefix_locality_stickiness_and_load():
     assert s.place("g3/0", [5] * 64, 0, [1 << 20, 1 << 20, 0]) == 2
 
 
+def test_trajectory_records_are_bounded_least_recently_placed_first():
+    s = WarScheduler(2, SchedulerConfig(block=8, max_trajectories=3))
+    for t in ("a", "b", "c"):
+        s.place(t, P, 0, [0, 0])
+    s.place("a", P + [1] * 8, 1, [0, 0])          # a placed again: b is now the least recent
+    s.place("d", P, 0, [0, 0])
+    assert list(s._traj) == ["c", "a", "d"]
+    assert s.priority("a") == (-1, -(len(P) + 8)) and s.priority("b") == (0, 0)
+    with pytest.raises(ValueError, match="max_trajectories"):
+        SchedulerConfig(max_trajectories=0)
+
+
 def test_progress_moves_late_trajectories_first():
     cfg = SchedulerConfig(block=8, expected_decode=0, progress_weight=4.0)
     s = WarScheduler(2, cfg)

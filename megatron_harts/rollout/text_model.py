@@ -48,7 +48,9 @@ class TextModelConfig:
     shapes otherwise, vocabulary 264); ``seq_len``: bytes per text window; ``batch``: windows (and
     episodes) per step; ``steps`` and/or ``minutes`` (whichever ends first; 0 = no limit);
     ``agent_family``: ``code_repair`` or ``None``; ``agent_tasks`` x ``agent_samples`` scripted
-    episodes, ``agent_fraction`` of each batch; ``eval_windows`` held-out windows."""
+    episodes, ``agent_fraction`` of each batch; ``eval_windows`` held-out windows; ``moe``: every
+    layer MoE (SGLang 0.5.17 serves only those); ``dtype``: of the checkpoint (``bfloat16`` for
+    SGLang; training is fp32 either way)."""
 
     hidden_size: int = 128
     num_layers: int = 4
@@ -67,6 +69,8 @@ class TextModelConfig:
     max_files: int = 0
     seed: int = 0
     device: str = "cpu"
+    moe: bool = False
+    dtype: str = "float32"
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -74,6 +78,8 @@ class TextModelConfig:
             raise ValueError("text model: give --steps or --minutes (> 0)")
         if not 0.0 <= self.agent_fraction < 1.0:
             raise ValueError(f"text model: agent_fraction must be in [0, 1), got {self.agent_fraction}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"text model: dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.seq_len < 16 or self.batch < 1:
             raise ValueError(f"text model: need seq_len >= 16 and batch >= 1, got {self.seq_len}, {self.batch}")
 
@@ -169,7 +175,7 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
     hf = tiny_qwen3_next_config(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                                 num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=32,
                                 linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=max(1, heads // 2),
-                                linear_num_value_heads=heads, **cfg.overrides)
+                                linear_num_value_heads=heads, moe=cfg.moe, **cfg.overrides)
     trainer = HartsTrainer(hf, tree=False, lr=cfg.lr, device=cfg.device, seed=cfg.seed, chunk_size=64,
                            microbatch_tokens=2048)
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -213,7 +219,7 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
             bar.close()
     wall = time.perf_counter() - t0
     bpb1 = bits_per_byte()
-    path, _ = WeightSync(hf, out / "weights").export(trainer.model, "text")
+    path, _ = WeightSync(dict(hf, dtype=cfg.dtype), out / "weights").export(trainer.model, "text")
     model_dir = out / "model"
     if model_dir.exists():
         import shutil
@@ -242,6 +248,8 @@ def main(argv=None) -> int:
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     ap.add_argument("--agent-family", default=d.agent_family, help="code_repair or none")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--moe", action="store_true", help="MoE layers (SGLang-servable)")
+    ap.add_argument("--dtype", default="float32", help="checkpoint dtype: float32 or bfloat16 (SGLang)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     kw = {k: v for k, v in vars(a).items() if k != "out"}

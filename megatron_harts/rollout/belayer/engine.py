@@ -61,8 +61,9 @@ class Segment:
 
 @dataclass
 class RequestRecord:
-    """The log of one request: ``prompt`` ``[P]``, ``output_ids`` / ``logprobs`` / ``times``
-    ``[n]`` (token, its log-prob, its arrival time), the attempts (``segments``) and the end."""
+    """The log of one request: ``prompt`` ``[P]`` (released when it finishes; ``prompt_len`` = P),
+    ``output_ids`` / ``logprobs`` / ``times`` ``[n]`` (token, its log-prob, its arrival time), the
+    attempts (``segments``) and the end."""
 
     rid: str
     prompt: list[int]
@@ -73,6 +74,7 @@ class RequestRecord:
     segments: list[Segment] = field(default_factory=list)
     finish_reason: str | None = None
     t_submit: float = field(default_factory=time.monotonic)
+    prompt_len: int = 0
 
     @property
     def resumed(self) -> bool:
@@ -83,24 +85,28 @@ class TokenLog:
     """Thread-safe request records, keyed by rid; ``path``: also append each event as a JSON line
     (``{"rid", "prompt"}`` once, then ``{"rid", "ids", "logprobs"}`` per streamed piece and
     ``{"rid", "finish"}``) so a restarted client could resume from the file (not done here: the
-    records of this process are what :class:`ResumableEngine` resumes from)."""
+    records of this process are what :class:`ResumableEngine` resumes from).
 
-    def __init__(self, path: str | None = None, keep: int = 100_000):
+    Memory stays bounded over a long run: a request in flight is never dropped; a finished one
+    releases its prompt (only a resume reads it; ``prompt_len`` stays) and at most ``keep`` finished
+    records are kept, the oldest dropped first (``resumed()`` reports among those)."""
+
+    def __init__(self, path: str | None = None, keep: int = 4096):
+        if keep < 0:
+            raise ValueError(f"TokenLog: keep must be >= 0, got {keep}")
         self._lock = threading.Lock()
         self.records: dict[str, RequestRecord] = {}
-        self._order: deque[str] = deque()
+        self._finished: deque[str] = deque()
         self.keep = keep
         self._file = open(path, "a", buffering=1) if path else None
 
     def open(self, rid: str, prompt: Sequence[int], sampling: SamplingParams) -> RequestRecord:
         rec = RequestRecord(rid, [int(t) for t in prompt], sampling)
+        rec.prompt_len = len(rec.prompt)
         with self._lock:
             if rid in self.records:
                 raise ValueError(f"request id {rid} is already in the token log")
             self.records[rid] = rec
-            self._order.append(rid)
-            while len(self._order) > self.keep:
-                self.records.pop(self._order.popleft(), None)
             if self._file:
                 self._file.write(json.dumps({"rid": rid, "prompt": rec.prompt}) + "\n")
         return rec
@@ -117,6 +123,11 @@ class TokenLog:
     def finish(self, rec: RequestRecord, reason: str) -> None:
         with self._lock:
             rec.finish_reason = reason
+            rec.prompt = []
+            if self.records.get(rec.rid) is rec:
+                self._finished.append(rec.rid)
+                while len(self._finished) > self.keep:
+                    self.records.pop(self._finished.popleft(), None)
             if self._file:
                 self._file.write(json.dumps({"rid": rec.rid, "finish": reason}) + "\n")
 
@@ -509,6 +520,7 @@ class ResumableEngine:
                 with self._lock:
                     self._active.pop(rid, None)
         else:
+            self.log.finish(rec, "error")
             raise EngineError(f"belayer: {rid} failed {self.max_failovers + 1} times: " + "; ".join(errors))
         with self._lock:
             self._aborted.discard(rid)

@@ -45,7 +45,9 @@ class SchedulerConfig:
     granularity; ``prefill_weight``/``load_weight``: cost of one uncached prompt token / one token
     of queued work; ``expected_decode``: tokens a turn generates (for load); ``progress_weight``:
     how much more a late trajectory weighs waiting; ``max_running``: turns admitted per replica
-    at once by :meth:`WarScheduler.wrap`'s gate (0: no gate)."""
+    at once by :meth:`WarScheduler.wrap`'s gate (0: no gate); ``max_trajectories``: per-trajectory
+    records kept (least recently placed dropped first: a long run's memory stays bounded; a dropped
+    trajectory loses only its stickiness, its prefix stays in the replicas' models)."""
 
     cache_tokens: int = 400_000
     block: int = 16
@@ -54,6 +56,7 @@ class SchedulerConfig:
     expected_decode: int = 128
     progress_weight: float = 1.0
     max_running: int = 0
+    max_trajectories: int = 65536
 
     def __post_init__(self):
         if self.block < 1 or self.cache_tokens < self.block:
@@ -61,6 +64,8 @@ class SchedulerConfig:
                              f"({self.cache_tokens})")
         if self.max_running < 0:
             raise ValueError(f"SchedulerConfig.max_running must be >= 0, got {self.max_running}")
+        if self.max_trajectories < 1:
+            raise ValueError(f"SchedulerConfig.max_trajectories must be >= 1, got {self.max_trajectories}")
 
 
 class PrefixModel:
@@ -123,7 +128,7 @@ class WarScheduler:
         self.models = [PrefixModel(self.cfg.cache_tokens, self.cfg.block) for _ in range(num_replicas)]
         self.load = [0.0] * num_replicas            # tokens of work in flight per replica
         self._work: dict[str, tuple[int, float]] = {}     # rid -> (replica, work)
-        self._traj: dict[str, _Traj] = {}
+        self._traj: OrderedDict[str, _Traj] = OrderedDict()     # least recently placed first
         self._max_turns = 1
         self._lock = threading.Lock()
         self.stats = {"turns": 0, "prompt_tokens": 0, "predicted_cached": 0, "reported_cached": 0, "moves": 0,
@@ -141,6 +146,10 @@ class WarScheduler:
             tr = self._traj.get(traj_id)
             if tr is None:                      # a fork continues its parent's prefix
                 tr = self._traj[traj_id] = _Traj()
+                while len(self._traj) > cfg.max_trajectories:
+                    self._traj.popitem(last=False)
+            else:
+                self._traj.move_to_end(traj_id)
             tr.hashes = self.models[0].block_hashes(tokens, tr.hashes if len(tokens) >= tr.length else None)
             tr.length, tr.turns = len(tokens), turns
             self._max_turns = max(self._max_turns, turns + 1)
