@@ -29,6 +29,7 @@ go to ``--out`` (default docs/benchmarks/war.json), the plot next to it.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import logging
 import os
@@ -76,7 +77,12 @@ def _replay_rows(args, streams, part: str, label: str) -> list[dict]:
     for budget in args.budgets:
         methods = [OursMethod(DrafterConfig(max_depth=args.depth, budget=budget)),
                    OursMethod(DrafterConfig(max_depth=args.depth, budget=budget, use_global=False), "ours_group_only"),
-                   ArcticMethod(args.depth, budget), SGLangNgramMethod(budget),
+                   OursMethod(DrafterConfig(max_depth=args.depth, budget=budget, tree=True), "ours_tree"),
+                   # drafts up to twice the match length: chosen on the sampled streams (a weak
+                   # model's short matches), checked on the scripted ones
+                   OursMethod(DrafterConfig(max_depth=args.depth, budget=budget, tree=True, max_spec_factor=2.0),
+                              "ours_tree_f2"),
+                   ArcticMethod(args.depth, budget), ArcticMethod(args.depth, budget, tree=True), SGLangNgramMethod(budget),
                    SGLangNgramMethod(budget, external=True)]
         for m in methods:
             r = replay(m, streams)
@@ -111,22 +117,32 @@ def part_drafters_sampled(args) -> list[dict]:
     from megatron_harts.rollout.engines import EmbeddedServer
     from megatron_harts.rollout.war.replay import sampled_streams
 
-    if not args.model_path or not (Path(args.model_path) / "config.json").is_file():
-        fail(f"--parts drafters_sampled needs --model-path to a checkpoint with config.json, got {args.model_path!r}")
+    from megatron_harts.rollout.war.replay import Stream
+
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="bench_war_sampled_"))
-    with EmbeddedServer(args.model_path, threads=2, log_path=str(tmp / "engine.log")) as srv:
-        streams = sampled_streams(srv.engine(timeout=600), "code_repair", args.tasks, args.samples, args.steps,
-                                  max_new_tokens=args.sampled_max_new_tokens, max_turns=args.sampled_max_turns)
+    if args.load_streams:                      # the streams of an earlier run (--save-streams)
+        try:
+            streams = [Stream(d["tokens"], d["loss_mask"], d["group"], int(d["step"]), d["traj_id"])
+                       for d in map(json.loads, (gzip.open(args.load_streams, "rt") if args.load_streams.endswith(".gz")
+                                                 else open(args.load_streams)))]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            fail(f"--load-streams {args.load_streams}: {type(e).__name__}: {e}")
+    else:
+        if not args.model_path or not (Path(args.model_path) / "config.json").is_file():
+            fail(f"--parts drafters_sampled needs --model-path to a checkpoint with config.json (or --load-streams), "
+                 f"got {args.model_path!r}")
+        tmp = Path(tempfile.mkdtemp(prefix="bench_war_sampled_"))
+        with EmbeddedServer(args.model_path, threads=2, log_path=str(tmp / "engine.log")) as srv:
+            streams = sampled_streams(srv.engine(timeout=600), "code_repair", args.tasks, args.samples, args.steps,
+                                      max_new_tokens=args.sampled_max_new_tokens, max_turns=args.sampled_max_turns)
     log.info("%d sampled streams in %.1f s", len(streams), time.perf_counter() - t0)
     if args.save_streams:
         with open(args.save_streams, "w") as f:
             for st in streams:
                 f.write(json.dumps({"traj_id": st.traj_id, "group": st.group, "step": st.step, "tokens": st.tokens,
                                     "loss_mask": st.loss_mask}) + "\n")
-    rows = _replay_rows(args, streams, "drafters_sampled", f"code_repair sampled from {Path(args.model_path).name}")
-    for r in rows:
-        r["sampling_s"] = round(time.perf_counter() - t0, 1)
+    src = args.load_streams or args.model_path
+    rows = _replay_rows(args, streams, "drafters_sampled", f"code_repair sampled from {src}")
     return rows
 
 
@@ -432,6 +448,7 @@ def main(argv=None) -> int:
     p.add_argument("--sampled-max-new-tokens", type=int, default=256, help="drafters_sampled: tokens per turn")
     p.add_argument("--sampled-max-turns", type=int, default=6, help="drafters_sampled: model turns per episode")
     p.add_argument("--save-streams", default=None, help="drafters_sampled: write the sampled streams (JSONL)")
+    p.add_argument("--load-streams", default=None, help="drafters_sampled: replay streams saved by --save-streams")
     p.add_argument("--mem-fraction", type=float, default=0.85, help="h200: GPU memory split over the replicas")
     p.add_argument("--sglang-args", default="", help="h200: extra launch_server flags")
     p.add_argument("--max-running", type=int, default=0, help="WAR admission gate per replica (0: off)")

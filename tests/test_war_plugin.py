@@ -51,6 +51,12 @@ ids, mask = c.batch_get(["g/0#1", "x/0#1"], [[1, 5, 6], [3, 3]], [3, 2])
 n = 6
 out["paths"] = [NgramCorpus.leaf_paths_from_mask(None, ids[b * n:(b + 1) * n].tolist(),
                 mask[b * n * n:(b + 1) * n * n].reshape(n, n).astype(int).tolist()) for b in range(2)]
+from megatron_harts.rollout.war.suffix import DrafterConfig
+t = SuffixCorpus(6, DrafterConfig(budget=5, tree=True, min_token_prob=0.0))
+t.drafter.add_trajectory([1, 2, 3, 4, 5], "g")
+t.drafter.add_trajectory([1, 2, 9, 8], "g")
+ids, mask = t.batch_get(["g/0#1"], [[7, 1, 2]], [3])
+out["tree_paths"] = NgramCorpus.leaf_paths_from_mask(None, ids.tolist(), mask.reshape(n, n).astype(int).tolist())
 print("RESULT " + json.dumps(out))
 '''
 
@@ -78,6 +84,9 @@ def test_registration_through_sglangs_plugin_loader(site, tmp_path):
     assert out["paths"][0] == [[6, 7, 8], [6, 0], [6, 0], [6, 0]], out["paths"]
     # no group index: the request's own context ([3, 3] repeats 3) drafts one token
     assert out["paths"][1] == [[3, 3], [3, 0], [3, 0], [3, 0], [3, 0]], out["paths"]
+    # a tree draft (two continuations of "1 2" in the group) reads back as both branches
+    tree = [p for p in out["tree_paths"] if p[1:] != [0]]
+    assert sorted(tree) == [[2, 3, 4], [2, 9, 8]], out["tree_paths"]
 
 
 def test_setup_py_declares_the_entry_point():

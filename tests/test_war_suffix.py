@@ -83,6 +83,74 @@ def test_trie_draft_matches_brute_force(seqs, ctx, depth, budget, minp, factor):
             assert n == occ(seqs, list(s), depth), s
 
 
+def ref_tree_probs(seqs, ctx, cfg, depth):
+    """The specified tree draft's node probabilities (descending) and match length, by brute force:
+    the ``budget`` most probable continuations of the match (every string ``s`` of at most ``cap``
+    tokens with ``len(match + s) <= depth`` and ``occ(match + s) / occ(match) >= min_token_prob``)."""
+    _, m = ref_draft(seqs, ctx, cfg, depth)
+    if m < cfg.min_match:
+        return [], m
+    cap = min(cfg.budget, math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset))
+    match = list(ctx[len(ctx) - m:])
+    base = occ(seqs, match, depth)
+    vocab = sorted({t for q in seqs for t in q})
+    probs, frontier = [], [[]]
+    for _ in range(min(cap, depth - m)):
+        nxt = []
+        for s in frontier:
+            for c in vocab:
+                n = occ(seqs, match + s + [c], depth)
+                if n and n / base >= cfg.min_token_prob:
+                    probs.append(n / base)
+                    nxt.append(s + [c])
+        frontier = nxt
+    return sorted(probs, reverse=True)[:cfg.budget], m
+
+
+@settings(max_examples=150, deadline=None)
+@given(seqs=st.lists(seq_st, min_size=1, max_size=4), ctx=st.lists(st.integers(0, 3), min_size=1, max_size=10),
+       depth=st.integers(2, 7), budget=st.integers(1, 6), minp=st.sampled_from([0.0, 0.1, 0.3]),
+       factor=st.sampled_from([0.5, 1.0, 2.0]))
+def test_tree_draft_takes_the_most_probable_continuations(seqs, ctx, depth, budget, minp, factor):
+    cfg = DrafterConfig(max_depth=depth, budget=budget, min_token_prob=minp, max_spec_factor=factor, tree=True)
+    trie = SuffixTrie(depth)
+    for q in seqs:
+        trie.add(q)
+    d = trie.draft(ctx, cfg)
+    want, m = ref_tree_probs(seqs, ctx, cfg, depth)
+    assert [round(p, 9) for p in sorted(d.probs, reverse=True)] == [round(p, 9) for p in want]
+    if not d.tokens:
+        return
+    assert d.match_len == m and len(d.tokens) <= budget and d.score == pytest.approx(sum(d.probs))
+    match = list(ctx[len(ctx) - m:])
+    base = occ(seqs, match, depth)
+    for i, parent in enumerate(d.parents):       # parents first; each node's probability is its string's
+        assert parent < i
+        path, j = [], i
+        while j >= 0:
+            path.append(d.tokens[j])
+            j = d.parents[j]
+        path = path[::-1]
+        assert d.probs[i] == pytest.approx(occ(seqs, match + path, depth) / base)
+        assert len(path) <= min(budget, math.floor(factor * m)) and m + len(path) <= depth
+    paths = d.paths()
+    assert len(set(map(tuple, paths))) == len(paths) and all(p for p in paths)
+    # the chain is the tree's most probable path when the tree holds it whole
+    chain = trie.draft(ctx, DrafterConfig(max_depth=depth, budget=budget, min_token_prob=minp,
+                                          max_spec_factor=factor))
+    assert chain.tokens[:1] == [d.tokens[0]] or not chain.tokens
+
+
+def test_tree_draft_is_a_chain_on_a_single_continuation():
+    trie = SuffixTrie(16)
+    trie.add([1, 2, 3, 4, 5, 6, 7, 8])
+    d = trie.draft([1, 2, 3], DrafterConfig(max_depth=16, budget=4, tree=True))
+    assert d.tokens == [4, 5, 6] and d.parents == [-1, 0, 1] and d.paths() == [[4, 5, 6]]
+    trie.add([1, 2, 3, 9, 9])          # a second continuation after 1 2 3: a branch at the root
+    d = trie.draft([1, 2, 3], DrafterConfig(max_depth=16, budget=4, tree=True, min_token_prob=0.0))
+    assert sorted(map(tuple, d.paths()))[0][0] in (4, 9) and len(d.paths()) == 2
+
+
 @settings(max_examples=60, deadline=None)
 @given(seqs=st.lists(seq_st, min_size=2, max_size=5), depth=st.integers(1, 6))
 def test_remove_restores_the_trie(seqs, depth):

@@ -36,7 +36,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from ..tokenizer import ByteTokenizer
-from .suffix import DrafterConfig, SuffixDrafter
+from .suffix import Draft, DrafterConfig, SuffixDrafter
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class OursMethod:
             self._ctx.extend(stream.tokens[len(self._ctx.tokens):prompt_end])
 
     def draft(self, context):
-        return [self.d.draft(self._ctx, self._stream.group).tokens]
+        return self.d.draft(self._ctx, self._stream.group).paths()
 
     def accept(self, context, new):
         self._ctx.extend(new)
@@ -184,10 +184,12 @@ class ArcticMethod:
     request per turn (``start_request`` with the prompt, responses appended, ``stop_request``);
     responses stay in its global tree."""
 
-    def __init__(self, max_depth: int, budget: int, max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
+    def __init__(self, max_depth: int, budget: int, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                 tree: bool = False):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-        self.name = "arctic"
+        self.name = "arctic_tree" if tree else "arctic"
+        self.tree = tree
         self.cache = SuffixDecodingCache(max_tree_depth=max_depth, max_cached_requests=-1)
         self.max_depth, self.budget = max_depth, budget
         self.factor, self.min_prob = max_spec_factor, min_token_prob
@@ -201,7 +203,9 @@ class ArcticMethod:
     def draft(self, context):
         ctx = np.asarray(context[-self.max_depth:], dtype=np.int32)
         d = self.cache.speculate(self._rid, ctx, max_spec_tokens=self.budget, max_spec_factor=self.factor,
-                                 min_token_prob=self.min_prob)
+                                 min_token_prob=self.min_prob, use_tree_spec=self.tree)
+        if self.tree:
+            return Draft([int(t) for t in d.token_ids], parents=[int(x) for x in d.parents]).paths()
         return [list(d.token_ids)]
 
     def accept(self, context, new):

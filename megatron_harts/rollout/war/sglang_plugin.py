@@ -143,7 +143,8 @@ class SuffixCorpus:
     ``batch_get(req_ids, batch_tokens, total_lens)``: ``batch_tokens[i]`` ends at context length
     ``total_lens[i]`` and holds at least the tokens not seen yet for that request (all of them
     the first time); returns ``(ids [bs * n] int64, mask [bs * n * n] bool)`` in NGRAM's layout:
-    node 0 is the last context token, ``mask[i, j]`` = node ``j`` is node ``i`` or its ancestor.
+    node 0 is the last context token, ``mask[i, j]`` = node ``j`` is node ``i`` or its ancestor
+    (a chain, or with ``DrafterConfig(tree=True)`` a tree whose parents precede their children).
     ``feed``: JSONL path of completed trajectories (``None``: ``$HARTS_SUFFIX_CORPUS``).
     """
 
@@ -200,8 +201,11 @@ class SuffixCorpus:
             k = len(d.tokens)
             ids[b, 0] = c.tokens[-1] if c.tokens else 0
             ids[b, 1:k + 1] = d.tokens
-            for i in range(k + 1):               # the chain: node i's ancestors are 0..i
-                mask[b, i, :i + 1] = True
+            mask[b, 0, 0] = True
+            parents = d.parents if d.parents is not None else range(-1, k - 1)    # a chain: i-1
+            for i, par in enumerate(parents):    # node i+1: its parent's ancestors and itself
+                mask[b, i + 1] = mask[b, par + 1]
+                mask[b, i + 1, i + 1] = True
             for i in range(k + 1, n):            # unused nodes: leaves under the root
                 mask[b, i, 0] = mask[b, i, i] = True
             self.stats["calls"] += 1

@@ -20,6 +20,8 @@ of its own context (:class:`ContextIndex`: the prompt, then every accepted token
    probabilities stays ``>= min_token_prob``, up to ``min(budget, floor(max_spec_factor * m +
    max_spec_offset))`` tokens for a match of length ``m`` (a long match earns a long draft) and
    never below the trie's depth;
+   (with ``tree``: a best-first tree of up to ``budget`` nodes instead, SuffixDecoding's tree
+   form, each path capped the same way);
 3. *choose* among the candidates of the request's own context, its group and the global trie the
    one with the largest score = sum of the cumulative probabilities (the expected number of
    accepted tokens if the estimates were right); ties go to the more local source.
@@ -30,6 +32,7 @@ Units: tokens are ints, latencies seconds.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -47,7 +50,9 @@ class DrafterConfig:
     ``max_spec_factor``/``max_spec_offset``: draft length cap ``factor * match_len + offset``;
     ``min_token_prob``: stop expanding below this cumulative probability; ``min_match``: shortest
     context match that may draft; ``max_indexed_tokens``: FIFO eviction of whole trajectories
-    beyond this many indexed tokens (0: no limit); ``use_global``: also draft from other groups."""
+    beyond this many indexed tokens (0: no limit); ``use_global``: also draft from other groups;
+    ``tree``: draft a tree of up to ``budget`` nodes (best-first by cumulative probability, each
+    path capped like a chain) instead of one chain, for tree verification (SGLang's NGRAM path)."""
 
     max_depth: int = 64
     budget: int = 16
@@ -57,6 +62,7 @@ class DrafterConfig:
     min_match: int = 1
     max_indexed_tokens: int = 0
     use_global: bool = True
+    tree: bool = False
 
     def __post_init__(self):
         for name in ("max_depth", "budget", "min_match"):
@@ -79,9 +85,29 @@ class Draft:
     match_len: int = 0
     score: float = 0.0
     source: str = ""
+    parents: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf token paths: ``[tokens]`` for a chain; for a tree (``parents[i]``: index of
+        node ``i``'s parent, -1 for a child of the root; parents come first) one per leaf."""
+        if not self.tokens:
+            return []
+        if self.parents is None:
+            return [list(self.tokens)]
+        inner = set(self.parents)
+        out = []
+        for i in range(len(self.tokens)):
+            if i in inner:
+                continue
+            path, j = [], i
+            while j >= 0:
+                path.append(self.tokens[j])
+                j = self.parents[j]
+            out.append(path[::-1])
+        return out
 
 
 class SuffixTrie:
@@ -227,6 +253,38 @@ class SuffixTrie:
             probs.append(p)
         return toks, probs
 
+    def expand_tree(self, node: int, depth: int, max_nodes: int, max_len: int,
+                    min_prob: float) -> tuple[list[int], list[float], list[int]]:
+        """Best-first tree from ``node`` (at ``depth``): repeatedly take the candidate continuation
+        with the largest cumulative probability (ties: smaller token, then earlier), up to
+        ``max_nodes`` nodes, paths of at most ``max_len`` tokens, never below the trie's depth or
+        ``min_prob``. Returns tokens, cumulative probabilities and parent indices (-1: root), in the
+        order taken (a parent before its children; probabilities non-increasing)."""
+        children, count = self.children, self.count
+        heap: list[tuple[float, int, int, int, int, int, int]] = []
+        seq = itertools.count()
+
+        def push(v: int, d: int, parent: int, p: float, plen: int) -> None:
+            if plen >= max_len or d >= self.max_depth:
+                return
+            n = count[v]
+            for t, c in children[v].items():
+                q = p * count[c] / n
+                if q >= min_prob:
+                    heapq.heappush(heap, (-q, t, next(seq), c, d + 1, parent, plen + 1))
+
+        toks: list[int] = []
+        probs: list[float] = []
+        parents: list[int] = []
+        push(node, depth, -1, 1.0, 0)
+        while heap and len(toks) < max_nodes:
+            nq, t, _, c, d, parent, plen = heapq.heappop(heap)
+            parents.append(parent)
+            toks.append(t)
+            probs.append(-nq)
+            push(c, d, len(toks) - 1, -nq, plen)
+        return toks, probs, parents
+
     def match_from(self, context: Sequence[int], max_len: int, state: list | None) -> tuple[int, int]:
         """:meth:`longest_match`, reusing ``state`` = ``[version, context length, m, node,
         max_len]`` of an earlier call on a prefix of the same context (updated in place). If the
@@ -262,6 +320,9 @@ class SuffixTrie:
         cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
         if cap <= 0:
             return Draft()
+        if cfg.tree:
+            toks, probs, parents = self.expand_tree(node, m, budget, cap, cfg.min_token_prob)
+            return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents)
         toks, probs = self.expand(node, m, cap, cfg.min_token_prob)
         return Draft(toks, probs, m, float(sum(probs)), source if toks else "")
 
