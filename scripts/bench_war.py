@@ -384,7 +384,7 @@ def plot(rows: list[dict], path: Path) -> None:
             axes[3].bar([i + j * ws for i in range(len(b_s))], acc, ws, label=m)
         axes[3].set_xticks([i + 0.4 - ws / 2 for i in range(len(b_s))], [f"budget {b}" for b in b_s])
         axes[3].set_title("accept length, episodes sampled from the trained text model", fontsize=10)
-        axes[3].legend(fontsize=7)
+        axes[3].legend(fontsize=7, loc="lower right")
     if cpu:
         labels = [f"{r['load']}\n{r['policy']}" for r in cpu]
         axes[2].bar(range(len(cpu)), [r["tokens_per_s"] for r in cpu], color=["C0" if r["load"] == "low" else "C1"
