@@ -15,6 +15,7 @@ a pre-started shadow, bubblewrap + overlayfs sandboxes, the agent loop.
 """
 import os
 import random
+import re
 import shlex
 import shutil
 import threading
@@ -276,8 +277,31 @@ def test_fault_injection_suite(sup, reference):
     assert counts["engine_kills"] >= 1 and counts["sandbox_faults"] >= 3, counts
     assert counts["env_faults_detected"] >= 1 and counts["requests_resumed"] >= 1, counts
     assert not res.failed and len(res.trajectories) == len(reference.trajectories)     # 0 lost
-    assert compare_rollouts(res.trajectories, reference.trajectories) == []
+    assert res.stats["weight_versions"] == reference.stats["weight_versions"], res.stats["weight_versions"]
+    diffs = compare_rollouts(res.trajectories, reference.trajectories)
+    assert diffs == [], _divergence_report(diffs, res, reference, loop.engines)
     assert replay_check(res.trajectories, make_inner, _task_of, ByteTokenizer()) == []
+
+
+def _divergence_report(diffs, res, reference, engines) -> str:
+    """What a failure needs to be diagnosed: both texts from a little before the first differing
+    token, and the resumed requests of that trajectory (attempts, offsets, errors)."""
+    tok, out = ByteTokenizer(), list(diffs)
+    got, ref = {t.traj_id: t for t in res.trajectories}, {t.traj_id: t for t in reference.trajectories}
+    for d in diffs:
+        m = re.match(r"(\S+): tokens differ from position (\d+) ", d)
+        if not m or m.group(1) not in got:
+            continue
+        k, n = m.group(1), int(m.group(2))
+        out.append(f"{k} faulted:   {tok.decode(got[k].tokens[max(0, n - 40):].tolist())!r}")
+        out.append(f"{k} reference: {tok.decode(ref[k].tokens[max(0, n - 40):].tolist())!r}")
+        out.append(f"{k} turns faulted {got[k].extra.get('turns')} / reference {ref[k].extra.get('turns')}")
+        for eng in engines:
+            for rec in eng.log.resumed():
+                if rec.rid.split("#")[0] == k:
+                    out.append(f"{k} resumed {rec.rid} at prompt {rec.prompt_len}: "
+                               + "; ".join(f"{sg.worker}+{sg.offset} ({sg.tokens}, {sg.error})" for sg in rec.segments))
+    return "\n".join(out)
 
 
 @pytest.mark.parametrize("hide_cut", [False, True], ids=["cut", "broken-hidden-cut"])
