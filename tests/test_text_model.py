@@ -29,6 +29,7 @@ def test_text_model_learns_and_exports_exactly(tmp_path):
     assert [x["step"] for x in r["log"] if "eval_bits_per_byte" in x] == [5, 11]
     saved = json.loads((tmp_path / "text_model.json").read_text())
     assert saved["eval_bits_per_byte_after"] == r["eval_bits_per_byte_after"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "text_model.json"]
 
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(r["model"], dtype=torch.float32, local_files_only=True).eval()

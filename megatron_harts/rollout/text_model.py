@@ -28,6 +28,7 @@ import argparse
 import json
 import logging
 import math
+import shutil
 import sys
 import sysconfig
 import time
@@ -156,7 +157,7 @@ def held_out_set(corpus: TextCorpus, cfg: TextModelConfig) -> list[Trajectory]:
 def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) -> dict:
     """Train and write ``<out>/model`` (an HF checkpoint with ``config.json``); returns (and
     writes to ``<out>/text_model.json``) the config, the per-step log, held-out bits per byte
-    before and after, the wall time and a sample of the model's text."""
+    before and after and the wall time."""
     from .trainer import HartsTrainer
     from .weight_sync import WeightSync, tiny_qwen3_next_config
 
@@ -214,18 +215,17 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(nll=f"{m['nll']:.3f}")
+        wall = time.perf_counter() - t0
+        bpb1 = bits_per_byte()
+        path, _ = WeightSync(dict(hf, dtype=cfg.dtype), out / "weights").export(trainer.model, "text")
     finally:
         if bar is not None:
             bar.close()
-    wall = time.perf_counter() - t0
-    bpb1 = bits_per_byte()
-    path, _ = WeightSync(dict(hf, dtype=cfg.dtype), out / "weights").export(trainer.model, "text")
+        trainer.close()
     model_dir = out / "model"
-    if model_dir.exists():
-        import shutil
-        shutil.rmtree(model_dir)
+    shutil.rmtree(model_dir, ignore_errors=True)
     Path(path).rename(model_dir)
-    trainer.close()
+    shutil.rmtree(out / "weights", ignore_errors=True)      # the export's version directory root
     result = {"config": asdict(cfg), "hf_config": hf, "params": params, "steps": step, "wall_s": round(wall, 1),
               "data_s": round(t_data, 1), "train_files": len(corpus.train), "train_bytes": corpus.bytes,
               "agent_episodes": len(episodes), "eval_bits_per_byte_before": round(bpb0, 4),
