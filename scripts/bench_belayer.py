@@ -6,7 +6,12 @@ min and max) to ``--out`` (JSON).
 
 Engine rows (``--engine embedded``: the embedded transformers server on CPU with a tiny steered
 random model; ``--engine sglang --model-path DIR``: SGLang on a GPU, not run yet): a long request
-(``--kill-at`` tokens generated of ``--max-new-tokens``) whose server is SIGKILLed.
+(``--kill-at`` tokens generated of ``--max-new-tokens``) whose server is SIGKILLed. The steps
+(``--plan``, or ``--reps`` / ``--cold-reps``) run on one supervisor, servers started one at a time
+(SGLang servers sharing a GPU must not profile their memory together); a shadow is started after a
+kill only when the next step needs one; every new server gets a short sampled warm-up (SGLang:
+``torch.compile`` of the seeded sampler, Triton tuning) before it serves; ``--deadline-s`` skips
+the steps that would not fit; ``--out`` is rewritten after every step.
 
 * recovery: SIGKILL -> first token of the request resumed from its logged prefix on the promoted
   shadow (the detection, promotion and one prefill of prompt + generated tokens included);
@@ -22,7 +27,8 @@ environment and the whole episode replayed. Overhead rows: the same seeded rollo
 episodes on the embedded engine) with plain engines and environments vs Belayer's (streaming
 token log, resumable engine, checkpointed environments), alternated ``--reps`` times.
 
-``python scripts/bench_belayer.py --reps 5 --out docs/benchmarks/belayer.json`` (CPU, ~5 min).
+``python scripts/bench_belayer.py --reps 5 --out docs/benchmarks/belayer.json`` (CPU, ~5 min);
+``bash scripts/gpu_belayer.sh`` (H200, SGLang: one device call, see there).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import logging
 import os
 import platform
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -64,88 +71,405 @@ def _row(fault, mechanism, rec, baseline, base, *, device, note="", lost=0, over
 
 
 # ------------------------------------------------------------------------------------- engine
-def _server_factory(args, workdir):
-    from megatron_harts.rollout.engines import EmbeddedServer, SGLangServer
+_MODES = ("shadow", "restart", "cold")
+_TARGETS = ("group", "child")
 
-    extra = shlex.split(args.engine_args)
-    if args.engine == "embedded" and "--enable-deterministic-inference" not in extra:
-        extra.append("--enable-deterministic-inference")
+
+def _plan(args):
+    """The engine steps ``[(mode, kill target)]``: ``--plan`` (``mode[:target],...``) or ``--reps``
+    shadow and restart steps (alternated) then ``--cold-reps`` cold ones, all killing ``--kill``."""
+    if args.plan:
+        steps = []
+        for spec in args.plan.split(","):
+            mode, _, target = spec.strip().partition(":")
+            target = target or args.kill
+            if mode not in _MODES or target not in _TARGETS:
+                raise SystemExit(f"--plan: bad step {spec!r} (mode in {_MODES}, target in {_TARGETS})")
+            steps.append((mode, target))
+        return steps
+    return ([(m, args.kill) for _ in range(args.reps) for m in ("shadow", "restart")]
+            + [("cold", args.kill)] * max(1, args.cold_reps))
+
+
+def _server_factory(args, workdir, state=None, registry=None):
+    """``start(path, version)`` for the Supervisor. ``state["engine_args"]``: the SGLang flags now
+    in use (the fallback may replace them); ``registry``: every server made, to stop at the end
+    those still starting."""
+    from megatron_harts.rollout.engines import EmbeddedServer
+
+    state = state if state is not None else {"engine_args": args.engine_args}
+    logdir = Path(args.log_dir or workdir)
+    logdir.mkdir(parents=True, exist_ok=True)
 
     def start(path, version):
-        logp = str(Path(workdir) / f"{args.engine}-{time.time_ns()}.log")
+        extra = shlex.split(state["engine_args"])
+        logp = str(logdir / f"{args.engine}-{time.time_ns()}.log")
         if args.engine == "embedded":
-            return EmbeddedServer(path, weight_version=version, threads=args.threads, log_path=logp,
-                                  extra_args=extra).start()
-        return SGLangServer(path, weight_version=version, log_path=logp, extra_args=extra).start()
+            if "--enable-deterministic-inference" not in extra:
+                extra.append("--enable-deterministic-inference")
+            server = EmbeddedServer(path, weight_version=version, threads=args.threads, log_path=logp,
+                                    extra_args=extra)
+        else:
+            server = _TrackedSGLang(path, weight_version=version, log_path=logp, extra_args=extra,
+                                    grace=args.grace_s, startup_timeout=args.startup_timeout_s)
+        if registry is not None:
+            registry.append(server)
+        return server.start()
     return start
 
 
-def _killed_request(sup, eng, sp, prompt, kill_at, rid, target="group"):
+def _tracked_sglang_class():
+    from megatron_harts.rollout.engines import SGLangServer
+
+    class Tracked(SGLangServer):
+        """Remembers its process group: a server that exits during start-up forgets its process
+        (``proc = None``) without signalling the group, whose children (SGLang's scheduler)
+        could keep GPU memory."""
+
+        pgid = None
+
+        @property
+        def proc(self):
+            return self.__dict__.get("_proc")
+
+        @proc.setter
+        def proc(self, p):
+            if p is not None:
+                self.pgid = p.pid
+            self.__dict__["_proc"] = p
+    return Tracked
+
+
+def _TrackedSGLang(*a, **kw):  # noqa: N802 - a class made on first use (imports stay lazy)
+    global _TRACKED
+    if _TRACKED is None:
+        _TRACKED = _tracked_sglang_class()
+    return _TRACKED(*a, **kw)
+
+
+_TRACKED = None
+
+
+def _reap(registry):
+    """Stop every server made (one still starting included) and SIGKILL what is left of each
+    process group."""
+    for server in registry:
+        try:
+            if server.proc is not None:
+                server.stop()
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.warning("stopping %s: %s", server, e)
+        pgid = getattr(server, "pgid", None)
+        if pgid:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _proc_children(pid):
+    """Child pids of ``pid`` from ``/proc/*/stat`` (``/proc/PID/task/*/children`` is missing on
+    some kernels and sandboxes, e.g. gVisor)."""
+    kids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(kids)
+
+
+def _proc_text(pid, name):
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _sglang_scheduler(server):
+    """(pid, how found) of the SGLang server's scheduler process, or (None, why not). SGLang's
+    launch_server spawns (multiprocessing, spawn) the scheduler first, then the detokenizer; the
+    spawn start launches multiprocessing's resource tracker before either, so "the first child"
+    is the resource tracker, not the scheduler. The scheduler calls itself ``sglang::scheduler``
+    (setproctitle)."""
+    kids = _proc_children(server.proc.pid)
+    for pid in kids:
+        if _proc_text(pid, "cmdline").startswith("sglang::scheduler") or \
+                _proc_text(pid, "comm").startswith("sglang::schedul"):
+            return pid, "sglang::scheduler"
+    spawned = [pid for pid in kids if "spawn_main" in _proc_text(pid, "cmdline")]
+    if spawned:
+        return spawned[0], "first multiprocessing child (no process title)"
+    return None, f"no scheduler among children {kids}"
+
+
+def _kill(args, sup, target):
+    """SIGKILL the active worker: its process group, or only SGLang's scheduler child. Returns
+    (time of the kill, what was killed)."""
     from megatron_harts.rollout.belayer.faults import kill_server
 
+    server = sup.worker(0).server
+    if target == "child" and args.engine == "sglang":
+        pid, how = _sglang_scheduler(server)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            return time.monotonic(), f"scheduler pid {pid} ({how})"
+        log.warning("--kill child: %s; killing the process group instead", how)
+        target = "group"
+    f = kill_server(server, target)
+    return f.t, f"{f.target}{'' if f.landed else ' (did not land)'}"
+
+
+def _killed_request(args, sup, eng, sp, prompt, rid, target, timeout):
+    """Stream ``prompt`` through ``eng`` and kill the worker once ``--kill-at`` tokens are logged.
+    Returns (generation or None, record, tokens at the kill, time of the kill, what, error)."""
     out = {}
-    th = threading.Thread(target=lambda: out.setdefault("g", eng.generate(prompt, sp, rid=rid)))
+
+    def run():
+        try:
+            out["g"] = eng.generate(prompt, sp, rid=rid)
+        except Exception as e:  # noqa: BLE001 - reported in the step's row
+            out["e"] = f"{type(e).__name__}: {e}"
+    th = threading.Thread(target=run, daemon=True)
     th.start()
-    while rid not in eng.log.records or len(eng.log.records[rid].output_ids) < kill_at:
-        if not th.is_alive():
-            raise RuntimeError(f"{rid} ended before {kill_at} tokens: use a longer --max-new-tokens or another seed")
+    deadline = time.monotonic() + timeout
+    while rid not in eng.log.records or len(eng.log.records[rid].output_ids) < args.kill_at:
+        if not th.is_alive() or time.monotonic() > deadline:
+            th.join(1.0)
+            rec = eng.log.records.get(rid)
+            n = len(rec.output_ids) if rec else 0
+            return None, rec, n, None, None, out.get("e") or f"the request ended (or stalled) after {n} tokens, " \
+                f"before --kill-at {args.kill_at}"
         time.sleep(0.001)
     rec = eng.log.records[rid]
     k = len(rec.output_ids)
-    f = kill_server(sup.worker(0).server, target)
-    th.join()
-    return out["g"], rec, k, f.t
+    t_kill, what = _kill(args, sup, target)
+    th.join(max(1.0, deadline - time.monotonic()))
+    if th.is_alive():
+        return None, rec, k, t_kill, what, f"the request did not finish within {timeout:g} s of its start"
+    return out.get("g"), rec, k, t_kill, what, out.get("e")
 
 
-def bench_engine(args, workdir, device):
-    from megatron_harts.rollout.belayer import ResumableEngine, Supervisor
+def _warmup_fn(args):
+    """A sampled generation at the resumed request's prefill length and one at the prompt's, with
+    token ids unlike the benchmark prompt's (no prefix-cache help): SGLang compiles its seeded
+    sampler (torch.compile) and Triton tunes kernels on first use, which would otherwise land
+    in the first resumed request of every shadow."""
     from megatron_harts.rollout.types import SamplingParams
 
-    start = _server_factory(args, workdir)
-    prompt = [1] + [40 + i % 50 for i in range(args.prompt_len - 1)]
-    sp = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=[], seed=args.seed)
-    rows, res = [], {"shadow": [], "cold": [], "restart": []}
-    detail = []
-    for mode in ("shadow", "restart", "cold"):
-        reps = args.reps if mode != "cold" else max(1, args.cold_reps)
-        sup = Supervisor(start, args.model_path, "v0", num_active=1, num_shadows=0 if mode == "cold" else 1,
-                         health_interval_s=0.25, engine_kw={"timeout": 600.0, "retries": 0}).start()
-        try:
-            ref = sup.engine(0).generate(prompt, sp)
-            for r in tqdm(range(reps), desc=f"engine {mode}", leave=False):
-                if mode != "cold":                         # the shadow re-started by the last kill
-                    while not sup.shadows:
-                        time.sleep(0.1)
-                eng = ResumableEngine(sup, 0, resume="restart" if mode == "restart" else "prefix")
-                g, rec, k, t_kill = _killed_request(sup, eng, sp, prompt, args.kill_at, f"{mode}-{r}",
-                                                     args.kill)
-                if mode != "restart" and g.output_ids != ref.output_ids:
-                    log.warning("%s rep %d: output differs from the uninterrupted one", mode, r)
-                if mode == "restart":
-                    seg = rec.segments[-1]
-                    t = rec.times[k] if len(rec.times) > k else None        # the (k+1)-th token again
-                    res[mode].append(None if t is None else t - t_kill)
-                else:
-                    res[mode].append(rec.segments[-1].t_first - t_kill)
-                detail.append({"mode": mode, "rep": r, "tokens_at_kill": k, "recovery_s": res[mode][-1],
-                               "same_output": g.output_ids == ref.output_ids,
-                               "failover": [(e.how, round(e.seconds, 4)) for e in sup.events[-1:]]})
-                log.info("%s rep %d: %d tokens at the kill, recovery %.3f s", mode, r, k, res[mode][-1])
-            startups = list(sup.cold_starts)
-        finally:
-            sup.close()
-    note = (f"{args.engine}; SIGKILL after {args.kill_at} of {args.max_new_tokens} tokens, prompt {args.prompt_len}; "
-            f"server start-up {statistics.median(startups):.1f} s")
-    fault = "engine worker SIGKILL (mid-request)" if args.kill == "group" else "engine scheduler SIGKILL (mid-request)"
-    rows.append(_row(fault, "shadow promoted + prefix resume", res["shadow"],
-                     "cold start + prefix resume", res["cold"], device=device, note=note))
-    rows.append(_row(fault, "shadow promoted + prefix resume", res["shadow"],
-                     "shadow promoted + abort-and-resubmit from scratch", res["restart"], device=device, note=note))
+    def warm(engine):
+        for n in (args.prompt_len + args.kill_at, args.prompt_len):
+            ids = [3] + [50 + (7 * i) % 200 for i in range(n - 1)]
+            engine.generate(ids, SamplingParams(max_new_tokens=4, stop_token_ids=[], seed=12345))
+    return warm
+
+
+def _engine_rows(args, res, steps_meta, device):
+    """Rows from the steps done so far (any subset: a run cut short still has rows)."""
+    rows = []
+    starts = steps_meta["server_starts_s"]
+    det = "--enable-deterministic-inference" in steps_meta["engine_args"] or args.engine == "embedded"
+    base_note = (f"{args.engine} ({'deterministic sampling' if det else 'NOT deterministic'}; flags "
+                 f"{steps_meta['engine_args']!r}); SIGKILL after {args.kill_at} of {args.max_new_tokens} tokens, "
+                 f"prompt {args.prompt_len}; server start-up (warm-up included) median "
+                 f"{statistics.median(starts) if starts else float('nan'):.1f} s of {len(starts)}")
+    for target in _TARGETS:
+        if not res[("shadow", target)] and not res[("restart", target)]:
+            continue
+        fault = ("engine worker SIGKILL (mid-request)" if target == "group"
+                 else "engine scheduler SIGKILL (mid-request)")
+        for base_mode, baseline in (("cold", "cold start + prefix resume"),
+                                    ("restart", "shadow promoted + abort-and-resubmit from scratch")):
+            base, note = res[(base_mode, target)], base_note
+            if not base:
+                other = [x for t in _TARGETS for x in res[(base_mode, t)]]
+                if other:
+                    base, note = other, base_note + f"; baseline measured with the other kill target"
+            rows.append(_row(fault, "shadow promoted + prefix resume", res[("shadow", target)], baseline, base,
+                             device=device, note=note))
     rows.append({"fault": "engine worker SIGKILL", "mechanism": "GPU state reuse (torch_memory_saver / CUDA IPC)",
                  "recovery_s": None, "baseline": None, "baseline_s": None, "speedup": None, "lost_trajectories": None,
                  "overhead_pct": None, "reps": 0, "spread": None, "device": device,
-                 "note": "not measurable on CPU (no GPU memory to keep); not built"})
-    return rows, detail
+                 "note": "not built" + (" (not measurable on CPU)" if args.engine == "embedded" else "")})
+    return rows
+
+
+def bench_engine(args, workdir, device, save=None):
+    """The engine steps (:func:`_plan`) on one supervisor: an active worker and, when the next
+    step needs one, a shadow (started in the background after each kill; a cold step has none).
+    ``save(rows, detail, meta)`` is called after every step. Returns (rows, detail, meta)."""
+    from megatron_harts.rollout.belayer import ResumableEngine, Supervisor
+    from megatron_harts.rollout.types import EngineError, SamplingParams
+
+    steps = _plan(args)
+    t0 = time.monotonic()
+    deadline = t0 + args.deadline_s if args.deadline_s else None
+    state = {"engine_args": args.engine_args}
+    registry = []
+    start = _server_factory(args, workdir, state, registry)
+    warm = _warmup_fn(args) if (args.warmup == "on" or (args.warmup == "auto" and args.engine == "sglang")) else None
+    needs_shadow = {"shadow": True, "restart": True, "cold": False}
+    prompt = [1] + [40 + i % 50 for i in range(args.prompt_len - 1)]
+    res = {(m, t): [] for m in _MODES for t in _TARGETS}
+    detail = []
+    meta = {"plan": [f"{m}:{t}" for m, t in steps], "engine_args": state["engine_args"], "server_starts_s": [],
+            "warmups_s": [], "fallback": None, "complete": False, "skipped": []}
+
+    def phase(msg, *a):
+        log.info("[+%6.1f s] " + msg, time.monotonic() - t0, *a)
+
+    def est_start():               # the first start fills the compile caches: later ones are what steps wait for
+        with sup._lock:
+            later = list(sup.cold_starts[1:])
+        return max(later or [args.startup_estimate_s])
+
+    def fits(extra_s):
+        return deadline is None or time.monotonic() + extra_s < deadline
+
+    def snapshot():
+        with sup._lock:
+            meta["server_starts_s"] = [round(x, 2) for x in sup.cold_starts]
+            meta["warmups_s"] = [round(x, 2) for x in sup.warmups]
+        meta["engine_args"] = state["engine_args"]
+        if save is not None:
+            save(_engine_rows(args, res, meta, device), detail, meta)
+
+    def make_sup():
+        return Supervisor(start, args.model_path, "v0", num_active=1, num_shadows=1 if needs_shadow[steps[0][0]] else 0,
+                          health_interval_s=0.25, engine_kw={"timeout": args.request_timeout_s, "retries": 0},
+                          parallel_start=args.engine == "embedded", warmup=warm)
+
+    phase("starting %s worker(s) with %r", 1 + needs_shadow[steps[0][0]], state["engine_args"])
+    sup = make_sup()
+    try:
+        try:
+            sup.start()
+        except Exception as e:  # noqa: BLE001 - EngineError from a start, anything from a warm-up
+            if not args.fallback_engine_args:
+                raise
+            log.error("starting with %r failed after %.0f s; retrying with --fallback-engine-args %r:\n%s",
+                      state["engine_args"], time.monotonic() - t0, args.fallback_engine_args, str(e)[-3000:])
+            meta["fallback"] = {"failed_args": state["engine_args"], "error": str(e)[-3000:],
+                                "after_s": round(time.monotonic() - t0, 1)}
+            _reap(registry)
+            state["engine_args"] = args.fallback_engine_args
+            sup = make_sup()
+            sup.start()
+    except Exception as e:
+        meta["error"] = f"{type(e).__name__}: {str(e)[-3000:]}"
+        _reap(registry)
+        snapshot()
+        raise
+    phase("workers up: start-up %s s", [round(x, 1) for x in sup.cold_starts])
+    try:
+        ref, sp = None, None
+        for seed in range(args.seed, args.seed + 5):    # a seed whose generation runs to the budget (no <eos>)
+            sp = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=[], seed=seed)
+            ref = sup.engine(0).generate(prompt, sp)
+            if len(ref.output_ids) >= args.max_new_tokens:
+                break
+            log.warning("seed %d: the reference stopped after %d tokens (%s); trying the next", seed,
+                        len(ref.output_ids), ref.finish_reason)
+        meta["seed"], meta["reference_tokens"] = sp.seed, len(ref.output_ids)
+        phase("reference: %d tokens in %.2f s (seed %d)", len(ref.output_ids), ref.latency_s, sp.seed)
+        for i, (mode, target) in enumerate(steps):
+            if sup.worker(0) is None:
+                meta["skipped"] = meta["plan"][i:]
+                phase("the slot has no worker (a failed start?); skipping %s", meta["skipped"])
+                break
+            # -- precondition: a ready shadow (shadow, restart) or none (cold)
+            if needs_shadow[mode]:
+                if not sup.shadows and not sup._starting:
+                    if not fits(1.2 * est_start() + args.step_margin_s):
+                        meta["skipped"] = meta["plan"][i:]
+                        phase("deadline: not starting a shadow for step %d; skipping %s", i, meta["skipped"])
+                        break
+                    with sup._lock:
+                        sup.num_shadows = 1
+                    sup._refill()
+                t_w = time.monotonic()
+                while not sup.shadows and sup._starting and (deadline is None or time.monotonic() < deadline):
+                    time.sleep(0.05)
+                if not sup.shadows:
+                    meta["skipped"] = meta["plan"][i:]
+                    phase("no shadow ready for step %d (start failed or deadline); skipping %s", i, meta["skipped"])
+                    break
+                if time.monotonic() - t_w > 0.5:
+                    phase("shadow ready after %.1f s of waiting", time.monotonic() - t_w)
+            else:
+                if sup.shadows or sup._starting:
+                    log.warning("step %d (cold): a shadow is ready or starting; the failover will use it", i)
+                if not fits(1.2 * est_start() + args.step_margin_s):
+                    meta["skipped"] = meta["plan"][i:]
+                    phase("deadline: no time for a cold start at step %d; skipping %s", i, meta["skipped"])
+                    break
+            # -- after this step's kill: a new shadow only if the next step needs one and it fits
+            nxt = steps[i + 1] if i + 1 < len(steps) else None
+            refill = nxt is not None and needs_shadow[nxt[0]] and \
+                fits(1.2 * est_start() + (1.2 * est_start() if mode == "cold" else 0) + args.step_margin_s)
+            with sup._lock:
+                sup.num_shadows = 1 if refill else 0
+            phase("step %d/%d: %s, kill %s%s", i + 1, len(steps), mode, target,
+                  "" if refill or nxt is None else " (no shadow refill after it)")
+            eng = ResumableEngine(sup, 0, resume="restart" if mode == "restart" else "prefix")
+            n_ev = len(sup.events)
+            victim = sup.worker(0)
+            timeout = args.request_timeout_s + (1.5 * est_start() if mode == "cold" else 0)
+            if deadline is not None:
+                timeout = max(30.0, min(timeout, deadline - time.monotonic()))
+            g, rec, k, t_kill, what, err = _killed_request(args, sup, eng, sp, prompt, f"{mode}-{target}-{i}",
+                                                           target, timeout)
+            segs = rec.segments if rec is not None else []
+            interrupted = len(segs) >= 2 and segs[0].error is not None
+            rec_s = None
+            if err is None and not interrupted:
+                err = f"the kill ({what}) did not interrupt the request ({len(segs)} segment(s))"
+            lost = segs[0].tokens if segs else k          # logged when the stream broke (k at the signal)
+            if err is None:
+                if mode == "restart":
+                    rec_s = rec.times[lost] - t_kill if len(rec.times) > lost else None   # the lost ones again + 1
+                elif segs[-1].t_first is not None:
+                    rec_s = segs[-1].t_first - t_kill
+            if rec_s is not None:
+                res[(mode, target)].append(rec_s)
+            evs = sup.events[n_ev:]
+            same = g is not None and g.output_ids == ref.output_ids
+            detail.append({"step": i, "mode": mode, "kill": target, "killed": what, "tokens_at_kill": k,
+                           "tokens_before_failure": lost,
+                           "recovery_s": rec_s, "same_output": same, "error": err,
+                           "detect_s": round(evs[0].t_detect - t_kill, 4) if evs and t_kill else None,
+                           "failover": [(e.how, e.cause[:80], round(e.seconds, 4)) for e in evs],
+                           "segments": [{"worker": s_.worker, "offset": s_.offset, "tokens": s_.tokens,
+                                         "first_token_s": None if s_.t_first is None or t_kill is None
+                                         else round(s_.t_first - t_kill, 4), "error": s_.error and s_.error[:120]}
+                                        for s_ in segs]})
+            if err:
+                log.error("step %d (%s, kill %s): %s", i + 1, mode, target, err)
+                if t_kill is not None:     # killed but not noticed by the request: let the monitor replace it
+                    t_w = time.monotonic()
+                    while (sup.worker(0) is victim or sup.worker(0) is None) and \
+                            time.monotonic() - t_w < 1.5 * est_start() + 10:
+                        time.sleep(0.05)
+                    phase("step %d: the slot's worker is %s", i + 1, getattr(sup.worker(0), "name", None))
+            else:
+                if mode != "restart" and not same:
+                    log.warning("step %d: output differs from the uninterrupted one", i + 1)
+                phase("step %d: %d tokens at the kill (%s), recovery %s s, failover %s", i + 1, k, what,
+                      _fmt(rec_s), [(e.how, round(e.seconds, 3)) for e in evs])
+            snapshot()
+        else:
+            meta["complete"] = True
+    finally:
+        phase("stopping the workers")
+        sup.close(wait=False)
+        _reap(registry)                    # a shadow still starting (cut short), leftovers of dead ones
+        snapshot()
+        phase("engine part done")
+    return _engine_rows(args, res, meta, device), detail, meta
 
 
 # ---------------------------------------------------------------------------------- environment
@@ -330,7 +654,30 @@ def main(argv=None):
     p.add_argument("--gen-gap-s", type=float, default=0.05, help="simulated generation time between env turns")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kill", choices=["group", "child"], default="group",
-                   help="SIGKILL the server's process group, or only its first child (SGLang's scheduler)")
+                   help="SIGKILL the server's process group, or only SGLang's scheduler child (found by its process "
+                        "title sglang::scheduler; the embedded server has no children: its group)")
+    p.add_argument("--plan", default=None,
+                   help="engine steps mode[:target],... (mode shadow|restart|cold, target group|child, default "
+                        "--kill), all on one supervisor, e.g. shadow:group,cold:group,shadow:child,restart:group; "
+                        "default: --reps shadow/restart pairs, then --cold-reps cold steps")
+    p.add_argument("--fallback-engine-args", default=None,
+                   help="if the first server start with --engine-args fails, start again with these flags instead "
+                        "(recorded in the JSON); e.g. the flags a previous run is known to work with")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="engine part: start no step (and no server for one) that would not end within this many "
+                        "seconds of the part's start; the rows so far are kept")
+    p.add_argument("--startup-estimate-s", type=float, default=60.0,
+                   help="server start-up time assumed for --deadline-s before one was measured")
+    p.add_argument("--step-margin-s", type=float, default=20.0, help="time a step takes besides server starts")
+    p.add_argument("--startup-timeout-s", type=float, default=600.0, help="SGLang: give up a server start after this")
+    p.add_argument("--request-timeout-s", type=float, default=120.0,
+                   help="client timeout (per stream event; whole reply otherwise) of the engine requests")
+    p.add_argument("--grace-s", type=float, default=3.0,
+                   help="SGLang: SIGTERM -> SIGKILL of a stopped server's process group (its graceful exit polls "
+                        "every 5 s; the GPU memory is only free once every process is gone)")
+    p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
+                   help="a short sampled generation on every new worker before it is used (auto: on for SGLang)")
+    p.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     p.add_argument("--parts", default="engine,env,overhead")
     p.add_argument("--out", default="docs/benchmarks/belayer.json")
     args = p.parse_args(argv)
@@ -346,30 +693,56 @@ def main(argv=None):
         p.error("--kill-at must be in [1, --max-new-tokens)")
     if args.engine == "sglang" and not args.model_path:
         p.error("--model-path is required with --engine sglang")
+    if "engine" in parts:
+        _plan(args)                   # a bad --plan fails here, before anything starts
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("megatron_harts.rollout.engines", "megatron_harts.rollout.belayer", "megatron_harts.rollout.agent_loop"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+        # on the GPU the server starts, failovers and stops are the record of the run
+        logging.getLogger(noisy).setLevel(logging.INFO if args.engine == "sglang" and noisy != "megatron_harts.rollout"
+                                          ".agent_loop" else logging.ERROR)
+    # `timeout` sends SIGTERM: exit through Python so the finally blocks and atexit stop the servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = tempfile.mkdtemp(prefix="bench-belayer-")
     device = (f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared)"
-              if args.engine == "embedded" else "GPU (SGLang)")
+              if args.engine == "embedded" else f"GPU ({_gpu_name()}, SGLang)")
     from megatron_harts.rollout.belayer.tiny import make_tiny_checkpoint
     if args.model_path is None:      # long generations: </call> and <eos> nearly never sampled
         args.model_path = make_tiny_checkpoint(Path(workdir) / "long", call_prob=1e-4, eos_prob=1e-4)["path"]
     if "overhead" in parts:
         args.overhead_model_path = (make_tiny_checkpoint(Path(workdir) / "calls", call_prob=0.15, eos_prob=0.02)["path"]
                                     if args.engine == "embedded" else args.model_path)
-    rows, detail = [], []
-    if "engine" in parts:
-        r, detail = bench_engine(args, workdir, device)
-        for x in r:
-            x["part"] = "engine"
-        rows += r
-    if "env" in parts:
-        rows += [dict(x, part="env") for x in bench_env(args, device)]
-    if "overhead" in parts:
-        rows += [dict(x, part="overhead") for x in bench_overhead(args, workdir, device)]
     cmd = "python scripts/bench_belayer.py " + " ".join(argv or sys.argv[1:])
+    state = {"rows": [], "detail": [], "meta": None}
+
+    def save(engine_rows=None, detail=None, meta=None):
+        """Write --out with everything measured so far (after every engine step and every part)."""
+        if engine_rows is not None:
+            state["rows"] = [dict(x, part="engine") for x in engine_rows] + \
+                [x for x in state["rows"] if x.get("part") != "engine"]
+            state["detail"], state["meta"] = detail, meta
+        _write(args, parts, cmd, device, state["rows"], state["detail"], state["meta"])
+
+    if "engine" in parts:
+        save(*bench_engine(args, workdir, device, save=save))
+    if "env" in parts:
+        state["rows"] += [dict(x, part="env") for x in bench_env(args, device)]
+        save()
+    if "overhead" in parts:
+        state["rows"] += [dict(x, part="overhead") for x in bench_overhead(args, workdir, device)]
+        save()
+    if args.plot:
+        plot(args.out, args.plot)
+    for r in state["rows"]:
+        log.info("%s | %s | recovery %s s | %s %s s | speedup %s | overhead %s %%", r["fault"], r["mechanism"],
+                 _fmt(r["recovery_s"]), r["baseline"], _fmt(r["baseline_s"]), _fmt(r["speedup"]),
+                 _fmt(r["overhead_pct"]))
+    return 0
+
+
+def _write(args, parts, cmd, device, rows, detail, meta):
     out = {"device": device, "commands": {p_: cmd for p_ in parts}, "rows": rows, "engine_reps": detail}
+    if meta is not None:
+        out["engine_run"] = meta
     if args.merge and Path(args.out).is_file():
         old = json.loads(Path(args.out).read_text())
         keep = [x for x in old["rows"] if x.get("part") not in parts]
@@ -378,15 +751,22 @@ def main(argv=None):
         out["commands"] = {**old.get("commands", {}), **out["commands"]}
         if "engine" not in parts:
             out["engine_reps"] = old.get("engine_reps", [])
+            if "engine_run" in old:
+                out["engine_run"] = old["engine_run"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    if args.plot:
-        plot(args.out, args.plot)
-    for r in rows:
-        log.info("%s | %s | recovery %s s | %s %s s | speedup %s | overhead %s %%", r["fault"], r["mechanism"],
-                 _fmt(r["recovery_s"]), r["baseline"], _fmt(r["baseline_s"]), _fmt(r["speedup"]),
-                 _fmt(r["overhead_pct"]))
-    return 0
+    tmp = Path(str(args.out) + ".tmp")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    os.replace(tmp, args.out)          # a reader (or a kill) never sees half a file
+
+
+def _gpu_name():
+    import subprocess
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=20)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else "unknown GPU"
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown GPU"
 
 
 def plot(json_path, png_path):

@@ -18,10 +18,15 @@ Parts (``--parts``, default ``drafters,cpu``):
   runs one request at a time, and a random model's outputs are not text (turns without a tool
   call are run as ``ls``: :class:`ForcedCall`): these rows check the mechanics and the overheads,
   not the GPU claims.
-* ``h200``: the same step on SGLang 0.5.17 replicas sharing one GPU (``--mem-fraction-static``
-  split): low load (<= 8 concurrent trajectories) none / NGRAM / HARTS_SUFFIX speculation, high
-  load (>= 256) WAR vs round_robin vs cache_aware vs sticky; cache hits from SGLang's
-  ``cached_tokens``. NOT RUN YET; the command is in docs/war.md.
+* ``h200``: the same step on SGLang 0.5.17 replicas sharing one GPU (``--mem-fraction`` split
+  over ``--replicas``): low load (``--low-tasks x --group`` trajectories, one server) HARTS_SUFFIX /
+  NGRAM / no speculation, high load (``--high-tasks x --group``) WAR vs sticky vs sglang-router
+  policies; cache hits from SGLang's ``cached_tokens``, accept length from its per-request
+  ``spec_verify_ct``. Every server gets the same flags (no overlap schedule, Triton attention,
+  CUDA graphs off unless ``--cuda-graph``); rows are written as they come (``"partial": true``
+  until the end), ``--deadline-s`` bounds the run (phases that would not fit are skipped, and the
+  rows say so); server logs go to ``war_h200/`` next to ``--out``. NOT RUN YET; the command is in
+  docs/war.md (write ``--out`` under ``$OUT`` on the lent GPU, or the rows do not come back).
 
 Rows ``{part, load, concurrency, policy, tokens_per_s, makespan_s, cache_hit, accept_len, device}``
 go to ``--out`` (default docs/benchmarks/war.json), the plot next to it.
@@ -30,12 +35,17 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import logging
 import os
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -149,19 +159,50 @@ def part_drafters_sampled(args) -> list[dict]:
 # --------------------------------------------------------------------------------- rollouts
 class Counting:
     """Counts prompt / cached tokens of the turns an engine serves (the agent loop's Turn does not
-    keep ``cached_tokens``)."""
+    keep ``cached_tokens``); on an :class:`HttpEngine` also SGLang's per-request speculation
+    counters (``meta_info.spec_verify_ct``, ``completion_tokens``: the accept length of exactly
+    these turns). Called from the loop's threads at once: the counters take a lock."""
 
     def __init__(self, engine):
         self.engine, self.name = engine, engine.name
         self.prompt = self.cached = 0
+        self.verify_ct = self.spec_tokens = self.logprob_fixups = 0
+        self._lock = threading.Lock()
+        orig = getattr(type(engine), "_json", None)
+        if orig is not None and "_json" not in vars(engine):   # an HttpEngine: tap /generate replies
+            def tap(method, path, body=None, **kw):
+                d = orig(engine, method, path, body, **kw)
+                meta = d.get("meta_info") if isinstance(d, dict) else None
+                if path != "/generate" or not isinstance(meta, dict):
+                    return d
+                if meta.get("spec_verify_ct"):
+                    with self._lock:
+                        self.verify_ct += int(meta["spec_verify_ct"])
+                        # tokens of verify steps: all but the first (the prefill's)
+                        self.spec_tokens += max(0, int(meta.get("completion_tokens") or 0) - 1)
+                # bench harness: the rows use no log-probs, so a reply whose log-probs do not line up
+                # with its tokens (a speculative-path quirk) is padded rather than failing the
+                # episode; counted in the row as logprob_fixups
+                out, lps = d.get("output_ids"), meta.get("output_token_logprobs") or []
+                if isinstance(out, list) and isinstance(lps, list) and (
+                        len(lps) != len(out) or any(not isinstance(x, (list, tuple)) or not x or x[0] is None
+                                                    for x in lps)):
+                    with self._lock:
+                        self.logprob_fixups += 1
+                    lps = [x if isinstance(x, (list, tuple)) and x and x[0] is not None else [0.0, None, None]
+                           for x in lps]
+                    meta["output_token_logprobs"] = (lps + [[0.0, None, None]] * len(out))[:len(out)]
+                return d
+            engine._json = tap
 
     def __getattr__(self, k):
         return getattr(self.engine, k)
 
     def generate(self, input_ids, sampling, rid=None):
         g = self.engine.generate(input_ids, sampling, rid=rid)
-        self.prompt += len(input_ids)
-        self.cached += g.cached_tokens
+        with self._lock:
+            self.prompt += len(input_ids)
+            self.cached += g.cached_tokens
         return g
 
 
@@ -189,28 +230,49 @@ class ForcedCall:
         self.env.close()
 
 
-def _step(engines, pick, args, concurrency: int, n_tasks: int, group: int, feed=None) -> dict:
+_RID_BASE = itertools.count(1)
+
+
+def _step(engines, pick, args, concurrency: int, n_tasks: int, group: int, feed=None, strict: bool = True,
+          max_turns: int | None = None) -> dict:
+    """One rollout step; ``strict``: exit on a failed episode (else the row counts them)."""
     from megatron_harts.rollout.agent_loop import AgentLoop, RolloutConfig, sticky_least_loaded
     from megatron_harts.rollout.envs import make_env
     from megatron_harts.rollout.tokenizer import ByteTokenizer
 
-    cfg = RolloutConfig(group_size=group, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-                        temperature=1.0, max_concurrency=concurrency, seed=1)
+    cfg = RolloutConfig(group_size=group, max_new_tokens=args.max_new_tokens, max_turns=max_turns or args.max_turns,
+                        temperature=1.0, max_concurrency=concurrency, seed=1,
+                        max_context_tokens=getattr(args, "max_context", None) or 4096)
     counted = [Counting(e) for e in engines]
     wrap = ForcedCall if args.force_calls else (lambda e: e)
     loop = AgentLoop(counted, ByteTokenizer(), lambda t: wrap(make_env(args.family, int(t), seed=0)), cfg,
                      pick_engine=pick or sticky_least_loaded)
+    # request ids unique across steps (each loop counts from 0): a server never sees a finished
+    # request's id again (SGLang's NGRAM and our corpus keep per-rid match state)
+    loop._rid = itertools.count(next(_RID_BASE) * 10_000_000)
     t0 = time.perf_counter()
     res = loop.rollout(list(range(n_tasks)))
     wall = time.perf_counter() - t0
-    if res.failed:
+    if res.failed and strict:
         fail(f"{len(res.failed)} episodes failed: {res.failed[:2]}")
     if feed is not None:                      # completed trajectories -> the speculation corpus
         feed.add_trajectories(res.trajectories)
     prompt = sum(c.prompt for c in counted)
-    return {"tokens_per_s": round(res.stats["generated_tokens"] / wall, 1), "makespan_s": round(wall, 2),
-            "generated_tokens": res.stats["generated_tokens"], "trajectories": res.stats["trajectories"],
-            "turns": res.stats["turns"], "cache_hit": round(sum(c.cached for c in counted) / max(prompt, 1), 4)}
+    row = {"tokens_per_s": round(res.stats["generated_tokens"] / wall, 1), "makespan_s": round(wall, 2),
+           "generated_tokens": res.stats["generated_tokens"], "trajectories": res.stats["trajectories"],
+           "turns": res.stats["turns"], "cache_hit": round(sum(c.cached for c in counted) / max(prompt, 1), 4),
+           "reward_mean": round(res.stats["reward_mean"], 4) if res.trajectories else None}
+    fixups = sum(c.logprob_fixups for c in counted)
+    if fixups:
+        row["logprob_fixups"] = fixups
+    verify = sum(c.verify_ct for c in counted)
+    if verify:
+        row["spec_accept_len"] = round(sum(c.spec_tokens for c in counted) / verify, 3)
+        row["spec_verify_steps"] = verify
+    if res.failed:
+        row["failed"] = len(res.failed)
+        row["failed_first"] = [f"{t}: {why[:300]}" for t, why in res.failed[:3]]
+    return row
 
 
 def _spec_stats(url: str) -> dict | None:
@@ -284,71 +346,377 @@ def part_cpu(args) -> list[dict]:
 
 
 def _sglang_accept(url: str) -> float | None:
+    """SGLang's ``avg_spec_accept_length`` (``/server_info`` -> ``internal_states[0]``): accepted
+    tokens (bonus included) per verify forward over the server's life, folded in every
+    ``--decode-log-interval`` decode iterations (so it lags the last window)."""
     import urllib.request
 
     with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
         info = json.loads(r.read())
     states = info.get("internal_states") or [{}]
-    return states[0].get("avg_spec_accept_length")
+    v = states[0].get("avg_spec_accept_length") if isinstance(states[0], dict) else None
+    return round(float(v), 3) if v is not None else None
 
 
-def part_h200(args) -> list[dict]:
-    """SGLang 0.5.17 on the GPU (NOT RUN YET: see docs/war.md for the command)."""
+class _Clock:
+    """Phase log with timestamps and the deadline (``--deadline-s`` from the script's start)."""
+
+    def __init__(self, t0: float, deadline_s: float):
+        self.t0 = t0
+        self.deadline = t0 + deadline_s if deadline_s > 0 else float("inf")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def phase(self, msg: str, *a) -> None:
+        left = self.left()
+        log.info("[h200 t=%5.0fs%s] " + msg, time.monotonic() - self.t0,
+                 "" if left == float("inf") else f", {left:4.0f}s left", *a)
+
+
+def _kill_live_servers() -> None:
+    """SIGKILL every server this process started (their HTTP calls then fail at once)."""
+    from megatron_harts.rollout.engines.launch import _LIVE
+
+    for srv in list(_LIVE):
+        proc = srv.proc
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _prebuild_envs(family: str, n: int, out: dict) -> None:
+    """Build the tasks' files once (code_repair screens mutants and checks its grader in
+    sandboxes, serially: 10-60 s for 128 tasks), so no timed step pays for it."""
+    from megatron_harts.rollout.envs import make_env
+
+    t0 = time.perf_counter()
+    try:
+        for t in range(n):
+            make_env(family, t, seed=0).close()
+        out["ok"] = True
+    except Exception as e:         # noqa: BLE001 - reported, and the steps then fail the same way
+        out["ok"], out["error"] = False, f"{type(e).__name__}: {e}"
+    out["s"] = round(time.perf_counter() - t0, 1)
+
+
+def _prebuild_ngram(env: dict, out: dict, timeout: float) -> None:
+    """SGLang's C++ NgramCorpus (tvm-ffi JIT: ninja + c++) built once with ``-include cstddef``
+    (0.5.17's result.h misses it) into the cache the NGRAM server then loads from."""
+    t0 = time.perf_counter()
+    code = "from megatron_harts.rollout.war.sglang_plugin import ngram_corpus_cls; ngram_corpus_cls(); print('ok')"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                           env=dict(os.environ, **env), cwd=ROOT)
+        out["ok"] = r.returncode == 0
+        if not out["ok"]:
+            out["error"] = (r.stderr or r.stdout)[-1500:]
+    except subprocess.TimeoutExpired:
+        out["ok"], out["error"] = False, f"timed out after {timeout:g} s"
+    out["s"] = round(time.perf_counter() - t0, 1)
+
+
+def part_h200(args, sink) -> None:
+    """SGLang 0.5.17 on the GPU (see docs/war.md for the command). Rows go to ``sink.add`` as
+    they are measured (the JSON is rewritten after each), so a run cut short keeps its rows.
+
+    Order (most novel first, the deadline trims the tail): HARTS_SUFFIX low load; then the
+    ``--replicas`` high-load replicas (started one after another: each sizes its KV pool from
+    the memory free when it starts), low load without speculation on replica 0, an unmeasured
+    warm-up step on all replicas, the placement policies; then NGRAM low load. Low-load rows:
+    step 1 fills the corpora and warms the kernels, step 2 is measured (``spec_accept_len``:
+    tokens per verify step of step 2 from SGLang's per-request counters; ``accept_len``:
+    SGLang's lifetime ``avg_spec_accept_length``)."""
+    if not args.model_path or not Path(args.model_path, "config.json").is_file():
+        fail("--model-path must be a Hugging Face checkpoint directory for the h200 part")
+    import importlib.util
+
     from megatron_harts.rollout.engines import SGLangServer
     from megatron_harts.rollout.war.router import RouterServer
     from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler
     from megatron_harts.rollout.war.sglang_plugin import CORPUS_ENV, TrajectoryFeed, write_plugin_dist
 
-    if not args.model_path or not Path(args.model_path, "config.json").is_file():
-        fail("--model-path must be a Hugging Face checkpoint directory for the h200 part")
-    tmp = Path(tempfile.mkdtemp(prefix="bench_war_h200_"))
-    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = {"PYTHONPATH": os.pathsep.join([str(write_plugin_dist(tmp / "plugin")), str(ROOT), *site])}
-    dev = "H200, SGLang 0.5.17"
-    b = args.budgets[0]
-    common = ["--disable-overlap-schedule"] + args.sglang_args.split()
-    rows = []
-    # low load: one replica; speculation none / NGRAM / HARTS_SUFFIX; step 1 warms the corpora, step 2 counts
-    variants = {"none": [], "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(b + 1)],
-                "suffix": ["--speculative-algorithm", "HARTS_SUFFIX", "--speculative-num-draft-tokens", str(b + 1)]}
-    for policy, extra in variants.items():
-        feed = tmp / f"feed_{policy}.jsonl"
-        with SGLangServer(args.model_path, mem_fraction_static=args.mem_fraction, extra_args=common + extra,
-                          env=dict(env, **{CORPUS_ENV: str(feed)}), log_path=str(tmp / f"low_{policy}.log")) as srv:
-            for step in range(2):
-                r = _step([srv.engine(timeout=1800)], None, args, args.low_tasks * args.group, args.low_tasks,
-                          args.group, feed=TrajectoryFeed(feed))
-            rows.append(dict(part="h200", load="low", concurrency=args.low_tasks * args.group, policy=policy,
-                             accept_len=_sglang_accept(srv.url), device=dev, **r))
-            log.info("%s", rows[-1])
-    # high load: --replicas replicas sharing the GPU
-    frac = args.mem_fraction / args.replicas
-    servers = [SGLangServer(args.model_path, mem_fraction_static=round(frac, 3), extra_args=common, env=env,
-                            log_path=str(tmp / f"rep{i}.log")).start() for i in range(args.replicas)]
+    clock = _Clock(args.t0, args.deadline_s)
+    # -- preflight: what would make every server or step fail, before any GPU time is spent
+    hf = json.loads(Path(args.model_path, "config.json").read_text())
+    if "full_attention_interval" not in hf or hf.get("architectures") != ["Qwen3NextForCausalLM"]:
+        fail(f"{args.model_path}/config.json: SGLang's Qwen3-Next needs architectures [Qwen3NextForCausalLM] and "
+             f"full_attention_interval (got {hf.get('architectures')}, {hf.get('full_attention_interval')})")
+    if importlib.util.find_spec("sglang") is None:
+        fail("sglang is not importable: put SGLang 0.5.17 on PYTHONPATH (export PYTHONPATH=/tmp/site:$PWD)")
+    if shutil.which("bwrap") is None:
+        fail(f"bwrap not on PATH: the {args.family} sandboxes need bubblewrap (dpkg -x .bw/*.deb /tmp/bw; "
+             f"export PATH=/tmp/bw/usr/bin:$PATH)")
+    args.max_context = min(4096, int(hf.get("max_position_embeddings") or 4096))
+    policies = list(args.policies)
+    bad = [p for p in policies if p not in ("war", "sticky", "round_robin", "cache_aware", "power_of_two")]
+    if bad:
+        fail(f"--policies: unknown policy {bad[0]!r}")
+    variants = [v for v in args.low_variants.split(",") if v]
+    if any(v not in ("suffix", "ngram", "none") for v in variants):
+        fail(f"--low-variants: comma list of suffix, ngram, none, got {args.low_variants!r}")
+    if args.replicas < 1:
+        fail("--replicas must be >= 1")
+    t = time.perf_counter()
+    from megatron_harts.rollout.envs import make_env
     try:
+        make_env(args.family, 0, seed=0).close()          # sandbox + task build work here at all
+    except Exception as e:                                 # noqa: BLE001
+        fail(f"{args.family} task 0 cannot be built here: {type(e).__name__}: {str(e)[:300]}")
+    clock.phase("preflight ok (task 0 in %.1f s); model %s, context %d", time.perf_counter() - t, args.model_path,
+                args.max_context)
+    routed = [p for p in policies if p in ("round_robin", "cache_aware", "power_of_two")]
+    if routed and importlib.util.find_spec("sglang_router") is None:
+        log.warning("sglang_router not importable: skipping %s", routed)
+        for p in routed:
+            sink.add(dict(part="h200", load="high", policy=p, skipped="sglang_router not importable"))
+        policies = [p for p in policies if p not in routed]
+
+    logs = Path(args.out).resolve().parent / "war_h200"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {"PYTHONPATH": os.pathsep.join([str(write_plugin_dist(logs / "plugin")), str(ROOT), *site]),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    b = args.budgets[0]
+    # the same flags on every server (parity): no overlap (the hybrid model's no_buffer mamba cache),
+    # Triton attention (head_dim 32; FlashInfer would JIT-compile with nvcc; NGRAM's tree verify
+    # needs topk > 1 support), CUDA graphs off unless --cuda-graph (what ran on this machine before)
+    common = ["--disable-overlap-schedule", "--attention-backend", "triton"]
+    common += ["--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs)] if args.cuda_graph else ["--disable-cuda-graph"]
+    common += shlex.split(args.sglang_args)
+    frac = round(args.mem_fraction / max(1, args.replicas), 4)
+    spec = {"suffix": ["--speculative-algorithm", "HARTS_SUFFIX", "--speculative-num-draft-tokens", str(b + 1)],
+            "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(b + 1)],
+            "none": []}
+    dev = f"H200, SGLang 0.5.17, {' '.join(common)}"
+    tag = dict(part="h200", max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, family=args.family,
+               model=str(args.model_path))
+
+    # -- background: the tasks' files and NGRAM's C++ corpus, while the first server starts
+    envs_state, ngram_state = {}, {}
+    bg = [threading.Thread(target=_prebuild_envs, args=(args.family, max(args.high_tasks, args.low_tasks),
+                                                        envs_state), daemon=True)]
+    if "ngram" in variants:
+        bg.append(threading.Thread(target=_prebuild_ngram, args=(env, ngram_state, 300.0), daemon=True))
+    for th in bg:
+        th.start()
+
+    def wait_bg() -> None:
+        for th in bg:
+            th.join()
+        if envs_state and not envs_state.get("ok"):
+            raise RuntimeError(f"building the {args.family} tasks failed: {envs_state.get('error')}")
+
+    starts: list[float] = []
+    steps_low: list[float] = []
+    steps_high: list[float] = []
+
+    warm_start = 1.15 * 30.0 + 3             # a later start on the same machine: 20-40 s expected
+
+    def est_start() -> float:                # the first (cold) start compiles kernels: 55-180 s seen
+        return 200.0 if not starts else (1.15 * max(starts[1:]) + 3 if starts[1:] else warm_start)
+
+    def est_starts(k: int) -> float:
+        return k * est_start() if starts or k == 0 else 200.0 + (k - 1) * warm_start
+
+    def est(steps: list[float], default: float) -> float:
+        return 1.3 * max(steps) + 5 if steps else default
+
+    def timeout() -> float:                 # an engine call never outlives the deadline by much
+        return max(60.0, min(1800.0, clock.left() + 30))
+
+    def server(extra: list[str], name: str, feed: Path | None = None) -> SGLangServer:
+        e = dict(env, **({CORPUS_ENV: str(feed)} if feed is not None else {}))
+        srv = SGLangServer(args.model_path, mem_fraction_static=frac, extra_args=common + extra, env=e,
+                           log_path=str(logs / f"{name}.log"),
+                           startup_timeout=max(60.0, min(400.0, clock.left() - 20)))
+        clock.phase("starting %s", name)
+        try:
+            srv.start()
+        except Exception:
+            clock.phase("%s failed to start; log tail:\n%s", name, srv.log_tail(40))
+            raise
+        starts.append(srv.startup_s)
+        clock.phase("%s up in %.1f s", name, srv.startup_s)
+        return srv
+
+    def flush(servers) -> None:
+        for s_ in servers:
+            for attempt in range(5):
+                try:
+                    s_.engine(timeout=30).flush_cache()
+                    break
+                except Exception as e:                      # noqa: BLE001 - 400 while requests drain
+                    if attempt == 4:
+                        log.warning("flush_cache on %s failed: %s", s_.url, e)
+                    time.sleep(1.0)
+
+    def low(policy: str, srv: SGLangServer, feed: Path) -> None:
+        """Step 1 (corpora, kernels), then the measured step 2 on one server."""
+        conc = args.low_tasks * args.group
+        need = 2 * est(steps_low, 45.0)
+        if clock.left() < need:
+            clock.phase("skip low %s: %.0f s left, ~%.0f s needed", policy, clock.left(), need)
+            sink.add(dict(tag, load="low", policy=policy, concurrency=conc, skipped="deadline"))
+            return
+        flush([srv])
+        r1 = _step([srv.engine(timeout=timeout())], None, args, conc, args.low_tasks, args.group,
+                   feed=TrajectoryFeed(feed), strict=False)
+        clock.phase("low %s step 1: %s", policy, r1)
+        steps_low.append(r1["makespan_s"])
+        r = _step([srv.engine(timeout=timeout())], None, args, conc, args.low_tasks, args.group,
+                  feed=TrajectoryFeed(feed), strict=False)
+        steps_low.append(r["makespan_s"])
+        try:
+            acc = _sglang_accept(srv.url)
+        except Exception as e:                              # noqa: BLE001
+            acc = None
+            log.warning("/server_info: %s", e)
+        sink.add(dict(tag, load="low", concurrency=conc, policy=policy, accept_len=acc, device=dev,
+                      startup_s=round(srv.startup_s or 0, 1), step1=r1, **r))
+        clock.phase("row low %s: %s", policy, sink.rows[-1])
+
+    def low_alone(policy: str) -> None:
+        need = est_start() + 2 * est(steps_low, 45.0)
+        if clock.left() < need:
+            clock.phase("skip low %s: %.0f s left, ~%.0f s needed", policy, clock.left(), need)
+            sink.add(dict(tag, load="low", policy=policy, skipped="deadline"))
+            return
+        if policy == "ngram" and ngram_state and not ngram_state.get("ok"):
+            clock.phase("skip low ngram: SGLang's C++ NgramCorpus did not build: %s", ngram_state.get("error"))
+            sink.add(dict(tag, load="low", policy=policy, error="NgramCorpus JIT build failed: "
+                                                                 + str(ngram_state.get("error"))[-300:]))
+            return
+        feed = logs / f"feed_{policy}.jsonl"
+        srv = None
+        try:
+            srv = server(spec[policy], f"low_{policy}", feed if policy == "suffix" else None)
+            if policy == "suffix" or len(starts) == 1:
+                wait_bg()
+            low(policy, srv, feed)
+        except Exception as e:                              # noqa: BLE001 - the next phases still run
+            log.exception("low %s failed", policy)
+            sink.add(dict(tag, load="low", policy=policy, error=f"{type(e).__name__}: {str(e)[:1500]}"))
+        finally:
+            if srv is not None:
+                srv.stop()
+
+    def high() -> None:
         conc = args.high_tasks * args.group
-        for policy in args.policies:
-            if policy in ("round_robin", "cache_aware", "power_of_two"):
-                with RouterServer([s.url for s in servers], policy, log_path=str(tmp / f"router_{policy}.log")) as rt:
-                    r = _step([rt.engine(timeout=1800)], None, args, conc, args.high_tasks, args.group)
-            elif policy == "sticky":
-                r = _step([s.engine(timeout=1800) for s in servers], None, args, conc, args.high_tasks, args.group)
-            else:
-                sch = WarScheduler(len(servers), SchedulerConfig(max_running=args.max_running,
-                                                                 expected_decode=args.max_new_tokens,
-                                                                 load_weight=args.load_weight,
-                                                                 cache_tokens=args.cache_tokens))
-                r = _step(sch.wrap([s.engine(timeout=1800) for s in servers]), sch, args, conc, args.high_tasks,
-                          args.group)
-            for s in servers:
-                s.engine().flush_cache()
-            rows.append(dict(part="h200", load="high", concurrency=conc, policy=policy, accept_len=None,
-                             device=dev + f", {len(servers)} replicas x mem {frac:.3f}", **r))
-            log.info("%s", rows[-1])
-    finally:
-        for s in servers:
-            s.stop()
-    return rows
+        after = (est(steps_high, 60.0) if policies else 0.0) + (2 * est(steps_low, 45.0) if "none" in variants else 0)
+        n_rep = args.replicas if policies else 1   # fewer (down to 2) when the deadline cannot fit them all
+        while n_rep > min(2, args.replicas) and clock.left() < est_starts(n_rep) + after:
+            n_rep -= 1
+        if clock.left() < est_starts(n_rep) + after:
+            clock.phase("skip high load: %.0f s left, ~%.0f s needed", clock.left(), est_starts(n_rep) + after)
+            for p in policies:
+                sink.add(dict(tag, load="high", policy=p, concurrency=conc, skipped="deadline"))
+            if "none" in variants:
+                sink.add(dict(tag, load="low", policy="none", skipped="deadline"))
+            return
+        if n_rep < args.replicas:
+            clock.phase("deadline: %d replicas instead of %d", n_rep, args.replicas)
+        servers = []
+        try:
+            for i in range(n_rep):
+                if i >= 2 and clock.left() < est_start() + after:     # the starts ran slower than expected
+                    clock.phase("deadline: %d replicas instead of %d", i, args.replicas)
+                    break
+                servers.append(server([], f"rep{i}"))
+            wait_bg()
+            if "none" in variants:
+                low("none", servers[0], logs / "feed_none.jsonl")
+            # unmeasured: first requests of each replica (kernel autotuning, allocator growth)
+            wt = min(args.high_tasks, 2 * len(servers))
+            w = _step([s_.engine(timeout=timeout()) for s_ in servers], None, args, wt * args.group, wt, args.group,
+                      strict=False, max_turns=2)
+            clock.phase("warm-up on %d replicas: %s", len(servers), w)
+            flush(servers)
+            for policy in policies:
+                need = est(steps_high, 60.0)
+                if clock.left() < need:
+                    clock.phase("skip %s: %.0f s left, ~%.0f s needed", policy, clock.left(), need)
+                    sink.add(dict(tag, load="high", policy=policy, concurrency=conc, skipped="deadline"))
+                    continue
+                clock.phase("high %s", policy)
+                try:
+                    extra = {}
+                    if policy in ("round_robin", "cache_aware", "power_of_two"):
+                        with RouterServer([s_.url for s_ in servers], policy,
+                                          log_path=str(logs / f"router_{policy}.log")) as rt:
+                            r = _step([rt.engine(timeout=timeout())], None, args, conc, args.high_tasks, args.group,
+                                      strict=False)
+                    elif policy == "sticky":
+                        r = _step([s_.engine(timeout=timeout()) for s_ in servers], None, args, conc, args.high_tasks,
+                                  args.group, strict=False)
+                    else:
+                        sch = WarScheduler(len(servers), SchedulerConfig(max_running=args.max_running,
+                                                                         expected_decode=args.max_new_tokens,
+                                                                         load_weight=args.load_weight,
+                                                                         cache_tokens=args.cache_tokens))
+                        r = _step(sch.wrap([s_.engine(timeout=timeout()) for s_ in servers]), sch, args, conc,
+                                  args.high_tasks, args.group, strict=False)
+                        extra["modelled_cache_hit"] = round(sch.cache_hit(), 4)
+                    steps_high.append(r["makespan_s"])
+                    sink.add(dict(tag, load="high", concurrency=conc, policy=policy, accept_len=None,
+                                  device=dev + f", {len(servers)} replicas x mem {frac}", **r, **extra))
+                    clock.phase("row high %s: %s", policy, sink.rows[-1])
+                except Exception as e:                      # noqa: BLE001
+                    log.exception("high %s failed", policy)
+                    sink.add(dict(tag, load="high", policy=policy, concurrency=conc,
+                                  error=f"{type(e).__name__}: {str(e)[:1500]}"))
+                    if not all(s_.alive() for s_ in servers):
+                        clock.phase("a replica died: the remaining policies are skipped")
+                        return
+                flush(servers)
+        except Exception as e:                              # noqa: BLE001
+            log.exception("high load failed")
+            sink.add(dict(tag, load="high", error=f"{type(e).__name__}: {str(e)[:1500]}",
+                          replicas_started=len(servers)))
+        finally:
+            for s_ in servers:
+                s_.stop()
+
+    # a hard stop a little after the deadline: kill the servers so a running step fails fast
+    if clock.deadline != float("inf"):
+        def watchdog():
+            while clock.left() > -args.deadline_grace_s:
+                time.sleep(1.0)
+            log.error("deadline + %g s passed: killing the servers", args.deadline_grace_s)
+            _kill_live_servers()
+        threading.Thread(target=watchdog, daemon=True).start()
+
+    if "suffix" in variants:
+        low_alone("suffix")
+    if policies or "none" in variants:
+        high()
+    if "ngram" in variants:
+        low_alone("ngram")
+    clock.phase("h200 done: %d rows", sum(1 for r in sink.rows if r.get("part") == "h200"))
+
+
+class _Sink:
+    """The rows of this run (plus the kept ones of ``--merge``), rewritten to ``out`` (atomically)
+    after each h200 row, with ``"partial": true`` until the run ends."""
+
+    def __init__(self, out: Path, rows: list[dict], command: str):
+        self.out, self.rows, self.command = out, list(rows), command
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.save(partial=True)
+
+    def save(self, partial: bool = False) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        d = {"command": self.command, "rows": self.rows}
+        if partial:
+            d["partial"] = True
+        tmp = self.out.with_name(self.out.name + ".tmp")
+        tmp.write_text(json.dumps(d, indent=1) + "\n")
+        os.replace(tmp, self.out)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -408,8 +776,15 @@ def tables(rows: list[dict]) -> tuple[str, str]:
     ro = ["| part | load | concurrency | policy | tokens/s | makespan s | cache hit | accept len | device |",
           "|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r.get("part") in ("cpu", "h200")):
-        ro.append(f"| {r['part']} | {r['load']} | {r['concurrency']} | {r['policy']} | {r['tokens_per_s']} | "
-                  f"{r['makespan_s']} | {r['cache_hit']} | {r['accept_len']} | {r['device']} |")
+        acc = r.get("accept_len")
+        if r.get("spec_accept_len") is not None:       # h200: this step's, then SGLang's lifetime figure
+            acc = f"{r['spec_accept_len']} (server {acc})"
+        note = r.get("skipped") and f"skipped: {r['skipped']}" or r.get("error") and f"error: {r['error'][:120]}"
+        if r.get("failed"):
+            note = f"{r['failed']} episodes failed"
+        dev = r.get("device", "") + (f"; {note}" if note else "")
+        ro.append(f"| {r['part']} | {r.get('load')} | {r.get('concurrency')} | {r.get('policy')} | "
+                  f"{r.get('tokens_per_s')} | {r.get('makespan_s')} | {r.get('cache_hit')} | {acc} | {dev} |")
     return "\n".join(dr), "\n".join(ro)
 
 
@@ -454,7 +829,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-running", type=int, default=0, help="WAR admission gate per replica (0: off)")
     p.add_argument("--load-weight", type=float, default=1.0, help="WAR cost of a queued token")
     p.add_argument("--cache-tokens", type=int, default=400_000, help="WAR prefix model capacity per replica")
+    p.add_argument("--low-variants", default="suffix,ngram,none",
+                   help="h200 low load: speculation variants (suffix = HARTS_SUFFIX, ngram = SGLang NGRAM, none)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="h200: keep SGLang's CUDA graphs (default: --disable-cuda-graph, as the H200 RL runs)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=128, help="h200 with --cuda-graph: largest captured batch")
+    p.add_argument("--deadline-s", type=float, default=0.0,
+                   help="h200: wall seconds from the start for the whole run (0: none); phases that would not fit "
+                        "are skipped (rows say so), replicas reduced down to 2")
+    p.add_argument("--deadline-grace-s", type=float, default=20.0,
+                   help="h200: past the deadline by this much, the servers are killed (a running step then fails)")
     args = p.parse_args(argv)
+    args.t0 = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         args.budgets = [int(b) for b in args.budgets.split(",")]
@@ -469,25 +855,40 @@ def main(argv=None) -> int:
             fail(f"--parts: unknown part {x!r} (drafters, drafters_sampled, cpu, h200)")
     out = Path(args.out)
     rows = []
-    if args.merge and out.is_file():
-        rows = [r for r in json.loads(out.read_text())["rows"] if r.get("part") not in parts]
-    if "drafters" in parts:
-        rows += part_drafters(args)
-    if "drafters_sampled" in parts:
-        rows += part_drafters_sampled(args)
-    if "cpu" in parts:
-        rows += part_cpu(args)
-    if "h200" in parts:
-        rows += part_h200(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
     command = "python scripts/bench_war.py " + " ".join(argv or sys.argv[1:])
     if args.merge and out.is_file():
-        command = json.loads(out.read_text()).get("command", "") + "; then " + command
-    out.write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
-    write_md(rows, out.with_suffix(".md"), command)
-    plot(rows, out.with_suffix(".png"))
-    log.info("wrote %s and %s", out, out.with_suffix(".png"))
-    return 0
+        old = json.loads(out.read_text())
+        rows = [r for r in old["rows"] if r.get("part") not in parts]
+        if old.get("command"):
+            command = old["command"] + "; then " + command
+    sink = _Sink(out, rows, command)
+
+    def on_term(signum, frame):             # a timeout's SIGTERM: keep the rows, free the GPU
+        log.error("signal %d: stopping the servers, keeping %d rows", signum, len(sink.rows))
+        _kill_live_servers()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    rc = 0
+    try:
+        if "drafters" in parts:
+            sink.rows += part_drafters(args)
+        if "drafters_sampled" in parts:
+            sink.rows += part_drafters_sampled(args)
+        if "cpu" in parts:
+            sink.rows += part_cpu(args)
+        if "h200" in parts:
+            part_h200(args, sink)
+    except KeyboardInterrupt:
+        rc = 130
+    sink.save(partial=rc != 0)
+    write_md(sink.rows, out.with_suffix(".md"), command)
+    try:
+        plot(sink.rows, out.with_suffix(".png"))
+    except Exception as e:                  # noqa: BLE001 - e.g. no matplotlib on the GPU machine
+        log.warning("no plot: %s: %s", type(e).__name__, e)
+    log.info("wrote %s and %s", out, out.with_suffix(".md"))
+    return rc
 
 
 if __name__ == "__main__":

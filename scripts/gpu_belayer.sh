@@ -1,29 +1,95 @@
 #!/usr/bin/env bash
-# Belayer on the H200 with SGLang 0.5.17 (NOT RUN YET: the session's GPU time was spent).
-#   bash scripts/gpu_belayer.sh [extra bench_belayer.py args]
-# Needs SGLang in /tmp/site (scripts/device/install_sglang.sh, see docs/rollout.md) and bubblewrap on
-# PATH for the environment rows. Makes a random small-moe Qwen3-Next checkpoint (bf16, SGLang-servable),
-# then measures, with one active SGLang server and one shadow on the same GPU (mem fraction 0.3 each):
-#   * SIGKILL of the server's process group mid-request (200 of 320 tokens): shadow promotion + prefix
-#     resume vs a cold SGLang start + prefix resume vs abort-and-resubmit from scratch on the shadow;
-#   * the same with only SGLang's scheduler child killed (--kill child; the server's watchdog, the
-#     supervisor's health probe or the broken stream detect it);
-#   * the environment rows and the failure-free overhead (same as on CPU, with SGLang serving).
-# --enable-deterministic-inference makes SGLang sample with (seed, position)-keyed noise, so the resumed
-# continuation should equal the uninterrupted one; the log says "output differs" where it does not
-# (prefill and decode kernels may round differently). GPU-state reuse (torch_memory_saver / CUDA IPC:
-# the shadow adopting the dead worker's weights and KV) is not built; these rows are the baseline it
-# would improve on.
-set -euo pipefail
+# Belayer on the H200 with SGLang 0.5.17 (NOT RUN YET).
+#   bash scripts/gpu_belayer.sh [extra bench_belayer.py args]            quick (default): one device call
+#   MODE=full bash scripts/gpu_belayer.sh                                 the full set: ~15-30 min, not one call
+# Needs SGLang in /tmp/site (scripts/device/install_sglang.sh, see docs/rollout.md); MODE=full also
+# bubblewrap on PATH (environment rows). Makes a random small-moe Qwen3-Next checkpoint (bf16, steered so
+# that <eos> has p ~ 1e-6 per token: SGLang stops at the config's eos_token_id whatever the request's
+# stop_token_ids, and an unsteered random model samples it with p ~ 1/264, ending most 320-token requests
+# early), then runs the engine steps on one supervisor: an active SGLang server and, when the next step
+# needs one, a shadow on the same GPU (--mem-fraction-static 0.3 each: SGLang sizes its pools from the
+# memory free when it starts, so the servers are started one after the other, never together):
+#   quick: shadow:group  SIGKILL of the server's process group after 200 of 320 tokens -> shadow + prefix resume
+#          cold:group    the same without a shadow: cold SGLang start + prefix resume (the baseline)
+#          restart:group on the shadow, but the request starts over (abort-and-resubmit baseline)
+#          shadow:child  only the scheduler child (process title sglang::scheduler) SIGKILLed: SGLang's
+#                        subprocess watchdog (1 s poll) SIGQUITs the HTTP server, which kills its tree
+#   One SGLang start per step (the killed server's replacement) plus the first two; a step that would not
+#   end within BUDGET is skipped, the JSON is rewritten after every step, phases are logged with times.
+# --enable-deterministic-inference (SM90: fa3 attention, as without it; pytorch sampling with Gumbel noise
+# keyed by sampling_seed and position; batch-invariant matmuls) should make the resumed continuation equal
+# the uninterrupted one (the log says "output differs" where it does not: GDN prefill and recurrent decode
+# kernels round differently). It was never run with Qwen3-Next's GDN layers: if the first start fails, the
+# bench starts again with FALLBACK_ARGS (the flags the H200 rollout runs used) and records it.
+# Files in $OUT (the device returns at most 8): belayer_h200.json, gpu_belayer.log, sglang_logs.tgz.
+# Time (quick; F = first SGLang start on the machine 55-180 s + warm-up with the first torch.compile,
+# L = a later start 20-60 s): checkpoint ~15-30 s, F, L (the shadow), ~5 s reference + step 1, L + ~3 s
+# (step 2's cold start), L (shadow for step 3) + ~3 s, L (shadow for step 4) + ~3 s, ~8 s teardown:
+# ~320 s at F = 120, L = 35; BUDGET (390) cuts the last steps when starts are slower. Run it as
+#   BUDGET=390 bash scripts/gpu_belayer.sh        (device call timeout ~420 s)
+# MODE=full (the old configuration, reps 5 / cold-reps 2, twice) needs 2 + 9 + 2 = 13 SGLang starts per
+# invocation, 26 in all (~15-30 min with env + overhead): several device calls, not one.
+set -uo pipefail
 cd "$(dirname "$0")/.."
+T0=$(date +%s)
 OUT=${OUT:-$PWD/out/belayer}
-mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-CK="$OUT/small-moe"
-[ -f "$CK/config.json" ] || python3 -c "
+MODE=${MODE:-quick}
+BUDGET=${BUDGET:-390}                  # quick: seconds for the whole script (the device call needs ~30 more)
+CK=${CK:-/tmp/belayer-small-moe}       # not under $OUT: 183 MB
+LOGS=${LOGS:-/tmp/belayer-logs}
+ENGINE_ARGS=${ENGINE_ARGS:---mem-fraction-static 0.3 --enable-deterministic-inference --cuda-graph-max-bs-decode 8}
+FALLBACK_ARGS=${FALLBACK_ARGS:---mem-fraction-static 0.3 --disable-cuda-graph}
+SITE=${SITE:-/tmp/site}                # where SGLang is installed
+mkdir -p "$OUT" "$LOGS"
+export PYTHONPATH=$SITE:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+
+stamp() { echo "[gpu_belayer $(date +%H:%M:%S) +$(( $(date +%s) - T0 )) s] $*"; }
+
+run() {
+  stamp "mode $MODE, budget ${BUDGET} s"
+  nvidia-smi --query-gpu=name,memory.used,memory.total,compute_mode --format=csv,noheader || true
+  python3 -c "import importlib.metadata as m; print('sglang', m.version('sglang'), 'torch', m.version('torch'), \
+'transformers', m.version('transformers'))" || { stamp "SGLang is not importable from PYTHONPATH=$PYTHONPATH"; return 1; }
+  if [ ! -f "$CK/belayer_tiny.json" ]; then        # written last: a half-made or unsteered checkpoint is redone
+    stamp "making the checkpoint $CK"
+    rm -rf "$CK"
+    python3 -c "
+import json
 from megatron_harts.rollout.belayer.tiny import make_tiny_checkpoint
-print(make_tiny_checkpoint('$CK', preset='small-moe', dtype='bfloat16'))"
-ARGS=(--engine sglang --model-path "$CK" --engine-args "--mem-fraction-static 0.3 --enable-deterministic-inference"
-      --reps 5 --cold-reps 2 --kill-at 200 --max-new-tokens 320)
-python3 scripts/bench_belayer.py "${ARGS[@]}" --parts engine,env,overhead --out "$OUT/belayer_h200.json" "$@"
-python3 scripts/bench_belayer.py "${ARGS[@]}" --parts engine --kill child --out "$OUT/belayer_h200_scheduler.json" "$@"
+from megatron_harts.rollout.weight_sync import sglang_incompatibilities
+st = make_tiny_checkpoint('$CK', preset='small-moe', dtype='bfloat16', call_prob=1e-4, eos_prob=1e-6)
+print(st)
+assert st['p_eos_saved'] < 1e-4, st
+cfg = json.load(open('$CK/config.json'))
+bad = sglang_incompatibilities(cfg)
+assert not bad and cfg.get('full_attention_interval') == 4 and cfg.get('dtype', cfg.get('torch_dtype')) == 'bfloat16', (bad, cfg)
+json.dump(st, open('$CK/belayer_tiny.json', 'w'))
+" || { stamp "checkpoint failed"; return 1; }
+    stamp "checkpoint made"
+  fi
+  local common=(--engine sglang --model-path "$CK" --engine-args "$ENGINE_ARGS" --fallback-engine-args "$FALLBACK_ARGS"
+                --kill-at 200 --max-new-tokens 320 --log-dir "$LOGS" --startup-timeout-s 240)
+  if [ "$MODE" = quick ]; then
+    local left=$(( BUDGET - ($(date +%s) - T0) ))
+    [ "$left" -ge 150 ] || { stamp "only ${left} s left of BUDGET=${BUDGET}: not starting the bench"; return 1; }
+    stamp "bench: ${left} s left (engine deadline $(( left - 25 )) s)"
+    timeout --kill-after=10 "$(( left - 5 ))" python3 scripts/bench_belayer.py "${common[@]}" --parts engine \
+      --plan shadow:group,cold:group,restart:group,shadow:child --deadline-s "$(( left - 25 ))" \
+      --startup-estimate-s 45 --step-margin-s 15 --out "$OUT/belayer_h200.json" "$@"
+    stamp "bench exit $?"
+  else
+    python3 scripts/bench_belayer.py "${common[@]}" --reps 5 --cold-reps 2 --parts engine,env,overhead \
+      --out "$OUT/belayer_h200.json" "$@"
+    stamp "bench (group kill) exit $?"
+    python3 scripts/bench_belayer.py "${common[@]}" --reps 5 --cold-reps 2 --parts engine --kill child \
+      --out "$OUT/belayer_h200_scheduler.json" "$@"
+    stamp "bench (scheduler kill) exit $?"
+  fi
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader || true     # 0 MiB-ish: no server left behind
+}
+
+run "$@" 2>&1 | tee -a "$OUT/gpu_belayer.log"
+rc=${PIPESTATUS[0]}
+tar czf "$OUT/sglang_logs.tgz" -C "$LOGS" . 2>/dev/null
+stamp "done (exit $rc); $(ls "$OUT" | tr '\n' ' ')" | tee -a "$OUT/gpu_belayer.log"
+exit "$rc"

@@ -50,9 +50,16 @@ case "$step" in
   e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_norc16k.json --models dense --workloads tau,sweep \
                --compressions 2,6,10 --capacity 16384 --recompute off "${save[@]}" "$@" ;;
   rl)        python3 scripts/gpu_rl.py --out "$OUT" "$@" ;;
-  text-model) python3 -m megatron_harts.rollout.text_model --device cuda --out "$OUT/text_model" --moe --dtype bfloat16 \
-               --hidden-size 512 --num-layers 8 --seq-len 1024 --batch 32 --lr 1e-3 --minutes 5 "$@" ;;
-  libra)     python3 scripts/libra_colocated_h200.py --out "$OUT" "$@" ;;
+  text-model) command -v bwrap >/dev/null || { [ -d .bw ] && for f in .bw/*.deb; do dpkg -x "$f" /tmp/bw; done; } || true
+               PATH=/tmp/bw/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/bw/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+               python3 -m megatron_harts.rollout.text_model --device cuda --out "$OUT/text_model" --moe --dtype bfloat16 \
+               --hidden-size 512 --num-layers 8 --head-dim 64 --seq-len 1024 --batch 32 --lr 1e-3 --lr-decay cosine \
+               --agent-tasks 16 --agent-samples 3 --agent-fraction 0.125 \
+               --minutes 2.75 --wall-minutes 3.8 --export-every-minutes 1 "$@" ;;
+  libra)     [ -d /tmp/harts_site ] && export PYTHONPATH=/tmp/harts_site:$PWD${PYTHONPATH:+:$PYTHONPATH}   # trainer: Triton 3.7.1, fla, mcore
+             python3 scripts/libra_colocated_h200.py --out "$OUT" "$@" ;;   # SGLang: --engine-env PYTHONPATH=/tmp/site
+  libra-calibrate) [ -d /tmp/harts_site ] && export PYTHONPATH=/tmp/harts_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+             python3 scripts/libra_calibrate_h200.py --out "$OUT" "$@" ;;
   verify)    python3 -m megatron_harts.verify --device cuda --model 1.5b "$@" | tee "$OUT/verify_1p5b.json" ;;
   verify-moe) python3 -m megatron_harts.verify --device cuda --pattern 'G*E-G*E-' --num-moe-experts 8 "$@" \
                | tee "$OUT/verify_moe.json" ;;

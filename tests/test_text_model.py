@@ -47,3 +47,60 @@ def test_text_model_learns_and_exports_exactly(tmp_path):
 def test_text_model_bad_config_is_one_line_error(capsys):
     assert tm.main(["--out", "/tmp/unused_text_model", "--steps", "0", "--minutes", "0"]) == 2
     assert "give --steps or --minutes" in capsys.readouterr().err
+
+
+def test_h200_settings_are_sglang_servable():
+    """The gpu_run.sh text-model shapes: head dims 64 (SGLang's kernels), GQA and GDN head groups
+    that divide, 8K-token episodes within max_position_embeddings, every layer MoE."""
+    from megatron_harts.rollout.weight_sync import hf_config_json, sglang_incompatibilities
+
+    cfg = tm.TextModelConfig(hidden_size=512, num_layers=8, head_dim=64, moe=True, dtype="bfloat16")
+    hf = tm.model_config(cfg)
+    assert (hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]) == (8, 4, 64)
+    assert (hf["linear_num_key_heads"], hf["linear_num_value_heads"]) == (4, 8)
+    assert hf["linear_key_head_dim"] == hf["linear_value_head_dim"] == 64
+    assert hf["max_position_embeddings"] >= 16384 and hf["vocab_size"] == 264
+    assert sglang_incompatibilities(hf) == []
+    js = hf_config_json(dict(hf, dtype=cfg.dtype))
+    assert js["full_attention_interval"] == 4 and js["torch_dtype"] == "bfloat16"
+    assert js["layer_types"].count("full_attention") == 2 and js["num_experts"] > 0
+    assert tm._heads(320, 64) == (5, 1)          # 5 heads: no 2-head grouping divides them
+
+
+def _tiny(**kw):
+    return tm.TextModelConfig(**{**dict(hidden_size=32, num_layers=4, head_dim=16, seq_len=48, batch=3, steps=6,
+                                        minutes=0, warmup_steps=1, agent_family=None, eval_windows=2, eval_every=0,
+                                        max_files=40), **kw})
+
+
+def test_text_model_exports_when_a_step_fails(tmp_path, monkeypatch):
+    """An error in a step ends training; the model of the last completed step is exported (also
+    during training with export_every_minutes), text_model.json records the error, exit status 1."""
+    from megatron_harts.rollout.trainer import HartsTrainer
+
+    real, calls = HartsTrainer.train_step, []
+
+    def flaky(self, batch):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("boom")
+        return real(self, batch)
+
+    monkeypatch.setattr(HartsTrainer, "train_step", flaky)
+    r = tm.pretrain(_tiny(lr_decay="cosine", export_every_minutes=1e-6), tmp_path, progress=False)
+    assert r["steps"] == 3 and r["stop_reason"] == "error" and "boom" in r["error"] and r["complete"]
+    assert r["eval_bits_per_byte_after"] is not None
+    lrs = [x["lr"] for x in r["log"]]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] < lrs[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "text_model.json"]
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["head_dim"] == 16
+    assert json.loads((tmp_path / "text_model.json").read_text())["error"] == r["error"]
+
+
+def test_text_model_wall_limit_keeps_time_for_the_export(tmp_path, monkeypatch):
+    """wall_minutes counts from the process start: with less left than the final evaluation and
+    export need, no step is taken and the model is still written."""
+    monkeypatch.setattr(tm, "_process_age_s", lambda: 0.0)
+    r = tm.pretrain(_tiny(steps=0, minutes=5, wall_minutes=0.1), tmp_path, progress=False)
+    assert r["steps"] == 0 and r["stop_reason"] == "wall_minutes" and r["error"] is None
+    assert (tmp_path / "model" / "config.json").exists()

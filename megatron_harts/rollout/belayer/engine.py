@@ -180,12 +180,19 @@ class Supervisor:
     ``alive()``, ``stop()``, ``url``); ``num_active``: serving slots; ``num_shadows``: shadows
     kept ready (0: failures are recovered by a cold start, the baseline); ``health_interval_s``:
     the monitor's period (0: no monitor thread, failures found by clients only);
-    ``engine_kw``: :class:`HttpEngine` keywords for the clients.
+    ``engine_kw``: :class:`HttpEngine` keywords for the clients; ``parallel_start``: start the
+    initial workers in parallel (``False``: one after the other, needed for SGLang servers sharing
+    one GPU: each sizes its KV pool from the memory free when it starts, so two profiling at once
+    can leave one with none); ``warmup(engine)``: run on every new worker before it is used (a
+    shadow before it is ready, a cold start before it serves), e.g. a short sampled generation so
+    that JIT compilation (SGLang's ``torch.compile``'d seeded sampler, Triton autotuning) is not
+    charged to the first real request; its time is part of ``cold_starts`` (also in ``warmups``).
     """
 
     def __init__(self, start_server: Callable[[str, str | None], Any], model_path: str, version: str | None = None,
                  *, num_active: int = 1, num_shadows: int = 1, health_interval_s: float = 0.5,
-                 engine_kw: dict | None = None, failover_timeout_s: float = 600.0):
+                 engine_kw: dict | None = None, failover_timeout_s: float = 600.0, parallel_start: bool = True,
+                 warmup: Callable[[HttpEngine], Any] | None = None):
         if num_active < 1 or num_shadows < 0:
             raise ValueError(f"Supervisor needs num_active >= 1 and num_shadows >= 0, got {num_active}, {num_shadows}")
         self._start_server = start_server
@@ -194,13 +201,15 @@ class Supervisor:
         self.health_interval_s = float(health_interval_s)
         self.engine_kw = dict(engine_kw or {"timeout": 120.0, "retries": 0})
         self.failover_timeout_s = float(failover_timeout_s)
+        self.parallel_start, self._warmup = bool(parallel_start), warmup
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self.slots: list[Worker | None] = [None] * num_active
         self.shadows: deque[Worker] = deque()
         self._starting = 0                 # shadows being started in the background
         self.events: list[FailoverEvent] = []
-        self.cold_starts: list[float] = []  # seconds of every server start (shadows and cold)
+        self.cold_starts: list[float] = []  # seconds of every server start (shadows and cold), warm-up included
+        self.warmups: list[float] = []      # seconds of the warm-up part of each
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="belayer-sup")
@@ -212,10 +221,19 @@ class Supervisor:
             path, version = self.model_path, self.version
         t0 = time.monotonic()
         server = self._start_server(path, version)
-        secs = time.monotonic() - t0
-        w = Worker(server, server.engine(**self.engine_kw), version, secs, f"w{next(self._ids)}@{server.url}")
+        w = Worker(server, server.engine(**self.engine_kw), version, time.monotonic() - t0,
+                   f"w{next(self._ids)}@{server.url}")
+        t_warm = time.monotonic()
+        if self._warmup is not None:
+            try:
+                self._warmup(w.engine)
+            except Exception:
+                self._stop_quietly(w)
+                raise
+        secs = w.started_s = time.monotonic() - t0
         with self._lock:
             self.cold_starts.append(secs)
+            self.warmups.append(time.monotonic() - t_warm)
             stale = self.version != version
         if stale:                          # a weight update happened while it started
             self._update_worker(w, self.model_path, self.version)
@@ -223,15 +241,24 @@ class Supervisor:
         return w
 
     def start(self) -> "Supervisor":
-        """Start the active workers and the shadows (in parallel) and the monitor."""
+        """Start the active workers and the shadows (in parallel unless ``parallel_start`` is
+        False) and the monitor."""
         n = self.num_active + self.num_shadows
-        futures = [self._pool.submit(self._new_worker) for _ in range(n)]
         workers, errors = [], []
-        for f in futures:
-            try:
-                workers.append(f.result())
-            except Exception as e:       # noqa: BLE001 - stop the ones that came up, then raise
-                errors.append(e)
+        if self.parallel_start:
+            futures = [self._pool.submit(self._new_worker) for _ in range(n)]
+            for f in futures:
+                try:
+                    workers.append(f.result())
+                except Exception as e:       # noqa: BLE001 - stop the ones that came up, then raise
+                    errors.append(e)
+        else:
+            for _ in range(n):
+                try:
+                    workers.append(self._new_worker())
+                except Exception as e:       # noqa: BLE001 - stop the ones that came up, then raise
+                    errors.append(e)
+                    break
         if errors:
             for w in workers:
                 self._stop_quietly(w)
@@ -245,12 +272,13 @@ class Supervisor:
             self._monitor.start()
         return self
 
-    def close(self) -> None:
-        """Stop the monitor and every server."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the monitor and every server. ``wait=False``: do not wait for shadows still
+        starting in the background (each stops itself once up; the caller may stop them sooner)."""
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(5.0)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=wait, cancel_futures=True)
         with self._lock:
             workers = [w for w in self.slots if w is not None] + list(self.shadows)
             self.slots, self.shadows = [None] * self.num_active, deque()

@@ -1,7 +1,7 @@
 """A tiny random Qwen3-Next checkpoint for the fault-tolerance tests and the CPU benchmark.
 
-:func:`make_tiny_checkpoint` writes a Hugging Face checkpoint (``save_pretrained``, fp32) of the
-``tiny`` preset (:func:`~megatron_harts.rollout.weight_sync.tiny_qwen3_next_config`, byte
+:func:`make_tiny_checkpoint` writes a Hugging Face checkpoint (``save_pretrained``, fp32 by default) of
+the ``tiny`` preset (or another, e.g. ``small-moe`` in bf16 for SGLang) (:func:`~megatron_harts.rollout.weight_sync.tiny_qwen3_next_config`, byte
 tokenizer vocabulary 264), made in a helper process with fla blocked (transformers' torch path,
 as the embedded engine uses). With ``call_prob > 0`` the untrained model is *steered*, not
 trained: every token embedding gets one shared direction (so the final hidden state is nearly the
@@ -47,7 +47,12 @@ if a["call_prob"] > 0:
             W[tok] += (target - cur) * v / float(v @ v)
         probs = torch.softmax(model(input_ids=ids, use_cache=False).logits.float(), -1).reshape(-1, W.shape[0])
         stats = {"p_end_call": float(probs[:, a["end_call"]].mean()), "p_eos": float(probs[:, a["eos"]].mean())}
-model.to(getattr(torch, a["dtype"])).save_pretrained(a["out"])
+model.to(getattr(torch, a["dtype"]))
+if a["call_prob"] > 0 and a["dtype"] != "float32":      # the probabilities the saved weights give
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=ids, use_cache=False).logits.float(), -1).reshape(-1, W.shape[0])
+    stats.update(p_end_call_saved=float(probs[:, a["end_call"]].mean()), p_eos_saved=float(probs[:, a["eos"]].mean()))
+model.save_pretrained(a["out"])
 cfg_file = a["out"] + "/config.json"
 saved = json.load(open(cfg_file))
 saved.setdefault("full_attention_interval", a["config"].get("full_attention_interval", 4))   # SGLang reads it
@@ -60,11 +65,17 @@ def make_tiny_checkpoint(out: str | os.PathLike, *, seed: int = 0, call_prob: fl
                          shared: float = 1.0, python: str | None = None, preset: str = "tiny",
                          dtype: str = "float32") -> dict:
     """Write the checkpoint to ``out`` (a new directory); returns ``{"path", "p_end_call",
-    "p_eos"}`` (the measured mean per-step probabilities when steered). Takes the helper's
-    transformers import (~5-20 s on a loaded CPU). ``preset``: a
+    "p_eos"}`` (the measured mean per-step probabilities when steered, in fp32; with another
+    ``dtype`` also ``p_end_call_saved`` / ``p_eos_saved``, measured with the saved weights). Takes
+    the helper's transformers import (~5-20 s on a loaded CPU). ``preset``: a
     :func:`~megatron_harts.rollout.weight_sync.model_config` preset (``small-moe`` for SGLang);
     ``dtype``: of the saved tensors (``bfloat16`` for SGLang); ``config.json`` gets
-    ``full_attention_interval`` (SGLang's Qwen3-Next reads it; transformers 5 drops it)."""
+    ``full_attention_interval`` (SGLang's Qwen3-Next reads it; transformers 5 drops it).
+
+    SGLang stops a request at the config's ``eos_token_id`` (2, the byte tokenizer's ``<eos>``)
+    whatever its ``stop_token_ids``: an unsteered random model samples it with p ~ 1/264 per
+    token, so long generations for the fault benchmarks need ``call_prob > 0`` (which turns the
+    steering on) and a small ``eos_prob``."""
     from ..tokenizer import END_CALL, EOS, ByteTokenizer
     from ..weight_sync import model_config
 

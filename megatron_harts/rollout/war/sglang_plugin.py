@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Hashable, Sequence
 
@@ -114,6 +115,11 @@ def group_of(rid: str) -> str | None:
     return rid.split("/", 1)[0] if "/" in rid else None
 
 
+def traj_of(rid: str) -> str | None:
+    """The trajectory of an agent-loop request id (``group/path#turn-n`` -> ``group/path``)."""
+    return rid.split("#", 1)[0] if "#" in rid else None
+
+
 class TrajectoryFeed:
     """The trainer/loop side of the feed: append completed trajectories to the JSONL file that
     :class:`SuffixCorpus` watches (one line each, written whole under a lock)."""
@@ -158,7 +164,13 @@ class SuffixCorpus:
         self.ctx: dict[str, ContextIndex] = {}
         self.feed = feed if feed is not None else os.environ.get(CORPUS_ENV)
         self.poll_s, self._pos, self._last_poll = poll_s, 0, 0.0
-        self.stats = {"calls": 0, "drafted": 0, "fed": 0}
+        self.stats = {"calls": 0, "drafted": 0, "fed": 0, "reused": 0}
+        # a trajectory's next turn (a new rid whose context extends the last one's) takes over the
+        # context trie of its previous turn instead of re-indexing the whole context (~50 ms per
+        # 3K tokens in Python): parked tries of departed requests, and the live rid per trajectory
+        self._parked: OrderedDict[str, ContextIndex] = OrderedDict()
+        self._live: dict[str, str] = {}
+        self.max_parked = 4096
 
     # -- NgramCorpus interface used by NGRAMWorker ------------------------------------------------
     def synchronize(self) -> None:
@@ -169,10 +181,43 @@ class SuffixCorpus:
 
     def reset(self) -> None:
         self.ctx.clear()
+        self._parked.clear()
+        self._live.clear()
 
     def erase_match_state(self, req_ids: list[str]) -> None:
         for rid in req_ids:
-            self.ctx.pop(rid, None)
+            c = self.ctx.pop(rid, None)
+            traj = traj_of(rid)
+            if traj is not None and self._live.get(traj) == rid:
+                del self._live[traj]
+                if c is not None:
+                    self._park(traj, c)
+
+    def _park(self, traj: str, c: ContextIndex) -> None:
+        self._parked[traj] = c
+        self._parked.move_to_end(traj)
+        while len(self._parked) > self.max_parked:
+            self._parked.popitem(last=False)
+
+    def _takeover(self, rid: str, toks: list[int], total: int) -> ContextIndex | None:
+        """The context trie of the same trajectory's previous turn, extended to ``toks`` (the whole
+        context), if that turn's context is a prefix of it; else ``None``."""
+        traj = traj_of(rid)
+        if traj is None or len(toks) < total:
+            return None
+        old = self._live.pop(traj, None)
+        c = self.ctx.pop(old, None) if old is not None and old != rid else None
+        if c is None:
+            c = self._parked.pop(traj, None)
+        if c is None:
+            return None
+        n = len(c.tokens)
+        if n == 0 or n > len(toks) or list(toks[:n]) != c.tokens:
+            return None
+        if len(toks) > n:
+            c.extend(toks[n:])
+        self.stats["reused"] += 1
+        return c
 
     def known(self, rid: str) -> int:
         c = self.ctx.get(rid)
@@ -185,11 +230,17 @@ class SuffixCorpus:
         for b, (rid, toks, total) in enumerate(zip(req_ids, batch_tokens, total_lens)):
             c = self.ctx.get(rid)
             if c is None:
-                if len(toks) < total:
-                    raise ValueError(f"request {rid}: first batch_get needs its whole context "
-                                     f"({total} tokens), got {len(toks)}")
-                c = self.ctx[rid] = self.drafter.start(toks[:-1] if toks else [])
-                c.extend(toks[-1:])
+                c = self._takeover(rid, toks, total)
+                if c is None:
+                    if len(toks) < total:
+                        raise ValueError(f"request {rid}: first batch_get needs its whole context "
+                                         f"({total} tokens), got {len(toks)}")
+                    c = self.drafter.start(toks[:-1] if toks else [])
+                    c.extend(toks[-1:])
+                self.ctx[rid] = c
+                traj = traj_of(rid)
+                if traj is not None:
+                    self._live[traj] = rid
             else:
                 new = total - len(c.tokens)
                 if new < 0 or new > len(toks):
@@ -262,6 +313,22 @@ def _spec_class():
         def has_draft_kv(self) -> bool:
             return False
 
+        # SGLang 0.5.17 calls these three enum-only methods on every algorithm (Scheduler.
+        # init_disaggregation / init_overlap, FutureMap) but CustomSpecAlgo lacks them (its
+        # conformance check covers is_* / supports_* only): without them the scheduler dies at
+        # start-up with AttributeError. NGRAM's answers.
+        def carries_draft_hidden_states(self) -> bool:
+            return False
+
+        def need_topk(self) -> bool:
+            return False
+
+        def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True,
+                              needs_confidence_relay: bool = False):
+            from sglang.srt.managers.overlap_utils import FutureMap
+
+            return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+
         def handle_server_args(self, server_args) -> None:
             # NGRAM's own defaults and checks (max running requests, top-k = BFS breadth, steps)
             from sglang.srt.arg_groups.speculative_hook import _handle_ngram
@@ -272,14 +339,31 @@ def _spec_class():
 
 
 def suffix_worker_class():
-    """``NGRAMWorker`` with :class:`SuffixCorpus` (imports ``sgl_kernel``: GPU machines only)."""
+    """``NGRAMWorker`` with :class:`SuffixCorpus` (imports ``sgl_kernel``: GPU machines only).
+
+    SGLang's ``NgramCorpus`` (C++, JIT-built by tvm-ffi with ``ninja`` and a C++ compiler) is never
+    built: ``NGRAMWorker.__init__`` runs with the module's ``NgramCorpus`` name bound to a
+    :class:`SuffixCorpus` factory, so the worker needs no compiler on the GPU machine."""
+    import sglang.srt.speculative.ngram_worker as ngram_worker
     from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
     class HartsSuffixWorker(NGRAMWorker):
         def __init__(self, server_args, *args, **kwargs):
-            super().__init__(server_args, *args, **kwargs)
-            self.ngram_corpus = SuffixCorpus(server_args.speculative_num_draft_tokens)
+            saved = ngram_worker.NgramCorpus
+            n = server_args.speculative_num_draft_tokens
+            ngram_worker.NgramCorpus = lambda **kw: SuffixCorpus(int(kw.get("draft_token_num") or n))
+            try:
+                super().__init__(server_args, *args, **kwargs)
+            finally:
+                ngram_worker.NgramCorpus = saved
+            if not isinstance(self.ngram_corpus, SuffixCorpus):
+                self.ngram_corpus = SuffixCorpus(n)
             self._suffix_depth = self.ngram_corpus.drafter.cfg.max_depth
+            self._owner: dict[str, int] = {}      # rid -> id(req): a reused rid starts afresh
+            log.info("HARTS_SUFFIX worker: %d draft tokens, feed %s", n, self.ngram_corpus.feed)
+
+        def _update_ngram_corpus(self, batch):
+            """NGRAM's online insertion after verify: the suffix corpus indexes in ``batch_get``."""
 
         def _prepare_draft_tokens(self, batch):
             bs, stride = len(batch.reqs), self.draft_token_num
@@ -287,18 +371,25 @@ def suffix_worker_class():
             if not prev_ids.is_cpu:
                 prev_ids, prev_lens = prev_ids.cpu(), prev_lens.cpu()
             self.prev_token_ids, self.prev_accept_lens = prev_ids.tolist(), prev_lens.tolist()
-            self.ngram_corpus.synchronize()
+            corpus = self.ngram_corpus
+            corpus.synchronize()
             use_prev = self.enable_overlap and not batch.grammar_needs_sync()
             rids, toks, totals = [], [], []
             for i, req in enumerate(batch.reqs):
                 prev = self.prev_token_ids[i * stride: i * stride + self.prev_accept_lens[i]] if use_prev else []
                 total = len(req.origin_input_ids) + len(req.output_ids) + len(prev)
-                need = max(self._suffix_depth, total - self.ngram_corpus.known(req.rid))
+                rid = req.rid
+                if self._owner.get(rid) != id(req) or corpus.known(rid) > total:   # a new request
+                    corpus.erase_match_state([rid])
+                    self._owner[rid] = id(req)
+                need = max(self._suffix_depth, total - corpus.known(rid))
                 toks.append(self._efficient_concat_last_n(list(req.origin_input_ids),
                                                           list(req.output_ids[-need:]) + prev, need))
-                rids.append(req.rid)
+                rids.append(rid)
                 totals.append(total)
-            drafts, mask = self.ngram_corpus.batch_get(rids, toks, totals)
+            drafts, mask = corpus.batch_get(rids, toks, totals)
+            if len(self._owner) > 8 * max(64, len(corpus.ctx)):             # bounded: keep the live ones
+                self._owner = {r: self._owner[r] for r in corpus.ctx if r in self._owner}
             assert len(drafts) == bs * self.draft_token_num
             return drafts, mask
 
