@@ -62,6 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="small-moe")
     ap.add_argument("--lr", type=float, default=5e-5, help="RL learning rate")
     ap.add_argument("--warmup-lr", type=float, default=5e-4)
+    ap.add_argument("--warmup-target-reward", type=float, default=None,
+                    help="stop the first trainer's warm-up once a probe rollout reaches this mean reward (--warmup is "
+                         "then the most); later trainers run the same number of warm-up steps, so both start alike")
     ap.add_argument("--tasks-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--branch-factor", type=int, default=2)
@@ -83,7 +86,8 @@ def main(argv=None) -> int:
                       rollout=RolloutConfig(group_size=a.group_size, branch_turn=1, branch_factor=a.branch_factor,
                                             max_turns=2, max_new_tokens=8, max_concurrency=64),
                       model=a.model, lr=a.lr, chunk_size=64, device=a.device, seed=0,
-                      sft_warmup_steps=a.warmup, warmup_lr=a.warmup_lr, attention_backend=a.attention_backend,
+                      sft_warmup_steps=a.warmup, warmup_lr=a.warmup_lr, warmup_target_reward=a.warmup_target_reward,
+                      attention_backend=a.attention_backend,
                       old_logprobs=a.old_logprobs)
     runs, servers, urls = {}, [], []
     try:
@@ -93,7 +97,9 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             loop = RLLoop(cfg)
             rows = loop.run()
-            runs[trainer] = {"rows": rows, "wall_s": time.perf_counter() - t0}
+            runs[trainer] = {"rows": rows, "wall_s": time.perf_counter() - t0, "warmup": loop.warmup}
+            if base.warmup_target_reward is not None:      # the next trainers: the same warm-up, no probes
+                base = replace(base, sft_warmup_steps=loop.warmup["steps"], warmup_target_reward=None)
             shutil.rmtree(cfg.weights_dir or out / trainer / "weights", ignore_errors=True)   # not results
             if not urls:
                 servers = loop.servers

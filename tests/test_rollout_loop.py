@@ -199,3 +199,26 @@ def test_cli_rejects_bad_input_in_one_line(args, message, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize("target, steps_done", [(-1.0, 2), (2.0, 4)], ids=["reached", "never"])
+def test_warmup_stops_at_the_target_reward(tmp_path, target, steps_done):
+    """A probe rollout every 2 warm-up steps: a reachable target (-1: any reward) ends the warm-up at
+    the first probe, an unreachable one (2: above the maximum reward 1) runs all 4 steps; the probes
+    are recorded, served on their own pushed weights, and the RL step then runs on the warm-up's."""
+    cfg = LoopConfig(steps=1, tasks_per_step=2, rollout=RolloutConfig(group_size=2, branch_turn=1, branch_factor=2,
+                                                                      max_turns=2, max_new_tokens=6),
+                     out=str(tmp_path), chunk_size=8, sft_warmup_steps=4, warmup_target_reward=target,
+                     warmup_probe_every=2)
+    loop = RLLoop(cfg)
+    rows = loop.run()
+    assert loop.warmup["steps"] == steps_done
+    assert [p["after_steps"] for p in loop.warmup["probes"]] == [2]       # none after the last step
+    assert 0.0 <= loop.warmup["probes"][0]["reward_mean"] <= 1.0
+    assert rows[0]["rollout_weight_versions"] == ["v0w"]
+    assert json.load(open(tmp_path / "rollout.json"))["warmup"]["steps"] == steps_done
+
+
+def test_warmup_target_needs_warmup_steps():
+    with pytest.raises(ValueError, match="warmup_target_reward needs sft_warmup_steps"):
+        LoopConfig(warmup_target_reward=0.5)

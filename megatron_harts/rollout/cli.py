@@ -78,6 +78,9 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--old-logprobs", choices=["trainer", "engine"], default="trainer",
                    help="ratio denominator: the trainer's own forward (on-policy) or the engine's log-probs")
     g.add_argument("--warmup-lr", type=float, help="learning rate of the warm-up (default: --lr)")
+    g.add_argument("--warmup-target-reward", type=float,
+                   help="stop the warm-up once a probe rollout (every 2 warm-up steps) reaches this mean reward; "
+                        "--sft-warmup-steps is then the most it runs")
     a = ap.parse_args(argv)
     for name in ("steps", "tasks_per_step", "group_size", "branch_factor", "max_new_tokens", "num_engines",
                  "rollout_workers", "max_concurrency", "chunk_size", "max_context_tokens"):
@@ -111,7 +114,7 @@ def parse_args(argv=None) -> LoopConfig:
                       trainer=a.trainer, model=a.model, lr=a.lr, chunk_size=a.chunk_size, device=a.device,
                       attention_backend=a.attention_backend,
                       seed=a.seed, use_ray=a.ray, out=a.out, sft_warmup_steps=a.sft_warmup_steps,
-                      warmup_lr=a.warmup_lr, old_logprobs=a.old_logprobs, router=a.router, shadows=a.shadows)
+                      warmup_lr=a.warmup_lr, warmup_target_reward=a.warmup_target_reward, old_logprobs=a.old_logprobs, router=a.router, shadows=a.shadows)
 
 
 HEADER = "step  reward  compr.  traj  rollout_s  train_s  sync_s  mismatch"

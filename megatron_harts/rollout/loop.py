@@ -63,7 +63,11 @@ class LoopConfig:
     disk write); ``save_rollouts``: each step's trajectories as ``<out>/rollouts/step_NNNN.jsonl``
     (the trajectory JSONL format, readable by ``megatron_harts.tree.read_jsonl``);
     ``sft_warmup_steps`` supervised steps on scripted episodes first, at ``warmup_lr`` (default
-    ``lr``); ``router``: ``sticky`` (sticky least-loaded) or ``war`` (WAR's scheduler, per rollout
+    ``lr``); ``warmup_target_reward``: stop the warm-up early, once a probe rollout (every
+    ``warmup_probe_every`` warm-up steps, on tasks no RL step uses, not trained on) reaches this mean
+    reward: a warm-up that is too long solves the task and leaves GRPO without reward variance, one
+    that is too short leaves too few rewards; ``sft_warmup_steps`` is then the most it runs (the
+    probes are in ``RLLoop.warmup``: steps done, probe rewards); ``router``: ``sticky`` (sticky least-loaded) or ``war`` (WAR's scheduler, per rollout
     worker; ``router_cache_hit`` per step: WAR's modelled prefix-cache hit rate of that step's turns);
     ``shadows``: Belayer shadow workers beside the ``num_engines`` serving ones (0: off; needs started
     engines and the local path; the supervisor stops its servers at the end, ``keep_engines`` or not;
@@ -92,6 +96,8 @@ class LoopConfig:
     out: str = "out/rl"
     sft_warmup_steps: int = 0
     warmup_lr: float | None = None
+    warmup_target_reward: float | None = None
+    warmup_probe_every: int = 2
     weights_dir: str | None = None
     save_rollouts: bool = True
     router: str = "sticky"
@@ -102,6 +108,10 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.router must be one of {ROUTERS}, got {self.router!r}")
         if self.shadows < 0:
             raise ValueError(f"LoopConfig.shadows must be >= 0, got {self.shadows}")
+        if self.warmup_probe_every < 1:
+            raise ValueError(f"LoopConfig.warmup_probe_every must be >= 1, got {self.warmup_probe_every}")
+        if self.warmup_target_reward is not None and not self.sft_warmup_steps:
+            raise ValueError("LoopConfig.warmup_target_reward needs sft_warmup_steps > 0 (the most warm-up steps)")
         if self.shadows and (self.use_ray or self.engine_urls):
             raise ValueError("LoopConfig.shadows (Belayer shadow workers) needs engines started by the loop on the "
                              "local path: not with use_ray or engine_urls")
@@ -241,6 +251,7 @@ class RLLoop:
         self.hf_config = model_config(cfg.model)
         self.servers: list[Any] = []
         self.rows: list[dict] = []
+        self.warmup: dict = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": []}
         if cfg.use_ray:
             import ray
             if not ray.is_initialized():
@@ -341,17 +352,37 @@ class RLLoop:
         stats["data_compression"] = (sum(t.num_trajectory_tokens for t in trees) / max(1, sum(t.num_tokens for t in trees)))
         return trajs, failed, stats
 
+    def _warmup_probe(self, done: int) -> float:
+        """Push the warm-up's weights after ``done`` steps and return the mean reward of one probe
+        rollout on tasks of their own (step index 2_000_000 + done: no RL step draws them)."""
+        ray_ = self.cfg.use_ray
+        version = f"v0w{done}"
+        path, _ = _get(_call(self.trainer, "export", version, use_ray=ray_), ray_)
+        self._push(path, version)
+        trajs, _, rs = self._rollout(2_000_000 + done)
+        reward = rs["reward_mean"] if trajs else 0.0
+        self.warmup["probes"].append({"after_steps": done, "reward_mean": reward,
+                                      "zero_variance_groups": rs["zero_variance_groups"], "groups": rs["groups"]})
+        logger.info("warm-up probe after %d steps: reward %.3f (target %.3f)", done, reward,
+                    self.cfg.warmup_target_reward)
+        return reward
+
     def run(self) -> list[dict]:
         cfg, ray_ = self.cfg, self.cfg.use_ray
         try:
             self._start()
             if cfg.sft_warmup_steps and cfg.warmup_lr is not None:
                 _get(_call(self.trainer, "set_lr", cfg.warmup_lr, use_ray=ray_), ray_)
+            self.warmup = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": []}
             for w in range(cfg.sft_warmup_steps):
                 tasks, gids = self._tasks(1_000_000 + w, cfg.tasks_per_step * cfg.rollout.group_size)
                 demos = _get(_call(self.workers[0], "demonstrations", tasks, gids, use_ray=ray_), ray_)
                 m = _get(_call(self.trainer, "train_step", demos, use_ray=ray_), ray_)
+                self.warmup["steps"] = w + 1
                 logger.info("warm-up %d/%d: nll %.4f", w + 1, cfg.sft_warmup_steps, m["nll"])
+                if cfg.warmup_target_reward is not None and (w + 1) % cfg.warmup_probe_every == 0 \
+                        and w + 1 < cfg.sft_warmup_steps and self._warmup_probe(w + 1) >= cfg.warmup_target_reward:
+                    break
             served = "v0"
             if cfg.sft_warmup_steps:
                 _get(_call(self.trainer, "set_lr", cfg.lr, use_ray=ray_), ray_)
@@ -396,7 +427,8 @@ class RLLoop:
                             "mismatch max %.2e", step, row["reward_mean"], row["compression"], row["rollout_s"],
                             row["train_s"], row["sync_s"], row["logprob_mismatch_max"] or float("nan"))
                 with open(self.out / "rollout.json", "w") as f:
-                    json.dump({"config": _jsonable(asdict(cfg)), "hf_config": self.hf_config, "rows": self.rows},
+                    json.dump({"config": _jsonable(asdict(cfg)), "hf_config": self.hf_config, "warmup": self.warmup,
+                               "rows": self.rows},
                               f, indent=1)
         finally:
             self.close()
