@@ -120,3 +120,22 @@ def test_corpus_layout_feed_and_errors(tmp_path):
     c.erase_match_state(["grp/0.1#2-7"])
     assert c.known("grp/0.1#2-7") == 0
     assert group_of("t3/0.2#1-5") == "t3" and group_of("plain") is None
+
+
+def test_feed_is_indexed_a_slice_per_scheduler_call(tmp_path):
+    """``synchronize`` (called by the worker every scheduler iteration) indexes the feed within its
+    time budget, so a burst of long trajectories is spread over many iterations; ``poll()``
+    (forced) indexes everything at once."""
+    feed = tmp_path / "feed.jsonl"
+    c = SuffixCorpus(5, feed=str(feed), poll_s=0.0, index_s=0.0)       # one 256-token slice per call
+    TrajectoryFeed(feed).add(list(range(100)) * 20, "grp")              # 2,000 tokens
+    c.synchronize()
+    assert c.stats["fed"] == 1 and c.stats["indexed"] == 256 and c.drafter.pending_tokens == 2000 - 256
+    calls = 1
+    while c.drafter.pending_tokens:
+        c.synchronize()
+        calls += 1
+    assert calls == 8 and c.drafter.indexed_tokens == 2000            # ceil(2000 / 256)
+    TrajectoryFeed(feed).add(list(range(7)), "grp")
+    assert c.poll() == 1 and c.drafter.pending_tokens == 0 and c.drafter.indexed_tokens == 2007
+    assert c.drafter.cfg.max_depth == 32                               # the plugin's depth (docs/war.md)

@@ -236,3 +236,41 @@ def test_drafter_sources_groups_and_eviction():
     assert d.draft([1, 2, 3], group="a").tokens == [40, 50, 60]
     with pytest.raises(ValueError, match="max_depth"):
         DrafterConfig(max_depth=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(seq_st, st.sampled_from(["a", "b", None])), min_size=1, max_size=6),
+       st.integers(1, 7), st.integers(3, 8), st.sampled_from([0, 20]))
+def test_queued_indexing_in_slices_equals_add_trajectory(trajs, step, depth, limit):
+    """Indexing queued trajectories a few tokens per call (drafting between calls) leaves the same
+    tries, FIFO order and evictions as adding each at once; a partly indexed trajectory drafts
+    from its indexed prefix only."""
+    cfg = DrafterConfig(max_depth=depth, budget=3, max_indexed_tokens=limit)
+    whole, sliced = SuffixDrafter(cfg), SuffixDrafter(cfg)
+    for toks, g in trajs:
+        whole.add_trajectory(toks, g)
+        sliced.queue_trajectory(toks, g)
+    assert sliced.pending_tokens == sum(len(t) for t, _ in trajs)
+    while sliced.pending_tokens:
+        before = sliced.pending_tokens
+        assert sliced.index_pending(max_tokens=step) == min(step, before)
+        sliced.draft([0, 1, 2], group="a")                     # drafting in between is allowed
+    assert canon(sliced.glob, depth) == canon(whole.glob, depth)
+    assert sliced.groups.keys() == whole.groups.keys()
+    for g in whole.groups:
+        assert canon(sliced.groups[g], depth) == canon(whole.groups[g], depth)
+    assert list(sliced._fifo) == list(whole._fifo) and sliced.indexed_tokens == whole.indexed_tokens
+
+
+def test_index_pending_time_budget():
+    d = SuffixDrafter(DrafterConfig(max_depth=32, budget=4, min_token_prob=0.0))
+    d.queue_trajectory(list(range(1000, 1200)) + list(range(100)) * 200, "g")
+    got = d.index_pending(max_s=0.0)                           # at least one slice, then stop
+    assert got == 256 and d.pending_tokens == 20200 - 256
+    assert d.indexed_tokens == 0 and d.groups["g"].count[0] == 256     # not complete: not in the FIFO yet
+    assert d.draft([1003, 1004, 1005, 1006], group="g").tokens == [1007, 1008, 1009, 1010]   # the indexed prefix drafts
+    assert d.draft([58, 59, 60, 61], group="g").tokens == []                 # 60, 61 come after token 256
+    while d.pending_tokens:
+        d.index_pending(max_s=0.01)
+    assert d.indexed_tokens == 20200 and d.glob.count[0] == 20200
+    assert d.draft([58, 59, 60, 61], group="g").tokens == [62, 63, 64, 65]

@@ -36,6 +36,7 @@ import heapq
 import itertools
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -361,17 +362,59 @@ class SuffixDrafter:
         self.glob = SuffixTrie(self.cfg.max_depth)
         self._fifo: deque[tuple[Hashable, tuple[int, ...]]] = deque()
         self.indexed_tokens = 0
+        # queued trajectories: [tokens, group, next position, group-trie frontier, global frontier]
+        self._queue: deque[list] = deque()
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens of queued trajectories not indexed yet."""
+        return sum(len(j[0]) - j[2] for j in self._queue)
+
+    def queue_trajectory(self, tokens: Sequence[int], group: Hashable = None) -> None:
+        """Queue a completed trajectory for :meth:`index_pending` (indexing costs ``O(len *
+        max_depth)`` dictionary operations, ~0.1 s for 8K tokens at depth 32 in Python: a caller
+        on a serving loop spreads it over many calls instead of stalling one)."""
+        toks = tuple(int(t) for t in tokens)
+        if toks:
+            self._queue.append([toks, group, 0, None, None])
+
+    def index_pending(self, max_tokens: int | None = None, max_s: float | None = None,
+                      slice_tokens: int = 256) -> int:
+        """Index queued trajectories in order, stopping after ``max_tokens`` tokens or once
+        ``max_s`` seconds have passed (checked every ``slice_tokens``; ``None``: no limit); returns
+        the tokens indexed. A trajectory is drafted from as far as it is indexed (its prefix's
+        substrings are all in the tries) and enters the FIFO eviction order once complete, so the
+        tries end exactly as :meth:`add_trajectory` of each would leave them."""
+        t0 = time.perf_counter()
+        done = 0
+        use_glob = self.cfg.use_global
+        while self._queue:
+            if max_tokens is not None and done >= max_tokens:
+                break
+            if max_s is not None and done and time.perf_counter() - t0 >= max_s:
+                break
+            job = self._queue[0]
+            toks, group, pos = job[0], job[1], job[2]
+            n = min(len(toks) - pos, slice_tokens if max_tokens is None else min(slice_tokens, max_tokens - done))
+            piece = toks[pos:pos + n]
+            if group is not None:
+                job[3] = self.groups.setdefault(group, SuffixTrie(self.cfg.max_depth)).extend(piece, job[3])
+            if use_glob or group is None:
+                job[4] = self.glob.extend(piece, job[4])
+            job[2] = pos + n
+            done += n
+            if job[2] == len(toks):
+                self._queue.popleft()
+                self._complete(group, toks)
+        return done
 
     def add_trajectory(self, tokens: Sequence[int], group: Hashable = None) -> None:
-        """Index a completed trajectory under ``group`` (``None``: global only); evicts the oldest
-        trajectories beyond ``max_indexed_tokens``."""
-        toks = tuple(int(t) for t in tokens)
-        if not toks:
-            return
-        if group is not None:
-            self.groups.setdefault(group, SuffixTrie(self.cfg.max_depth)).add(toks)
-        if self.cfg.use_global or group is None:
-            self.glob.add(toks)
+        """Index a completed trajectory under ``group`` (``None``: global only) now, after any
+        queued ones; evicts the oldest trajectories beyond ``max_indexed_tokens``."""
+        self.queue_trajectory(tokens, group)
+        self.index_pending()
+
+    def _complete(self, group: Hashable, toks: tuple[int, ...]) -> None:
         self._fifo.append((group, toks))
         self.indexed_tokens += len(toks)
         lim = self.cfg.max_indexed_tokens
