@@ -49,7 +49,10 @@ case "$step" in
   moe-experts) python3 scripts/bench_moe_experts.py --out "$OUT" "$@" ;;
   e2e-norc)  python3 scripts/bench_e2e.py --out "$OUT" --name e2e_fresh_dense_norc16k.json --models dense --workloads tau,sweep \
                --compressions 2,6,10 --capacity 16384 --recompute off "${save[@]}" "$@" ;;
-  rl)        python3 scripts/gpu_rl.py --out "$OUT" "$@" ;;
+  rl)        [ -d /tmp/harts_site ] && export PYTHONPATH=/tmp/harts_site:$PWD${PYTHONPATH:+:$PYTHONPATH}   # trainer stack
+             command -v bwrap >/dev/null || { [ -d .bw ] && mkdir -p /tmp/bw && for f in .bw/*.deb; do dpkg -x "$f" /tmp/bw; done; } || true
+             PATH=/tmp/bw/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/bw/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+               python3 scripts/gpu_rl.py --out "$OUT" "$@" ;;   # SGLang: --engine-env PYTHONPATH=/tmp/site
   text-model) command -v bwrap >/dev/null || { [ -d .bw ] && for f in .bw/*.deb; do dpkg -x "$f" /tmp/bw; done; } || true
                PATH=/tmp/bw/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/bw/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
                python3 -m megatron_harts.rollout.text_model --device cuda --out "$OUT/text_model" --moe --dtype bfloat16 \
