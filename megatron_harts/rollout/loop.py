@@ -411,7 +411,8 @@ class RLLoop:
                 events_seen += len(events)
                 row = {"step": step, "engine": cfg.engine, "trainer": cfg.trainer, "rollout_s": rs["rollout_s"],
                        "train_s": m["train_s"], "sync_s": export_s + push_s, "sync_export_s": export_s,
-                       "sync_push_s": push_s, "sync_bytes": ws.get("bytes"), "compression": m["compression"],
+                       "sync_push_s": push_s, "sync_bytes": ws.get("bytes"),
+                       "sync_wait_s": ws.get("wait_s"), "sync_gather_s": ws.get("gather_s"), "compression": m["compression"],
                        "data_compression": rs["data_compression"],
                        "reward_mean": rs["reward_mean"], "logprob_mismatch_max": m.get("logprob_mismatch_max"),
                        "logprob_mismatch_mean": m.get("logprob_mismatch_mean"),
