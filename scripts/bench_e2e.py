@@ -501,6 +501,12 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
 
 # ------------------------------------------------------------------------------------------------ output
 
+def model_label(r: dict) -> str:
+    """Model column: ``moe grouped`` for MoE rows run with ``--grouped-experts`` (torch grouped GEMM
+    experts on both sides), else the model name (MoE rows before it ran ``SequentialMLP`` experts)."""
+    return r["model"] + (" grouped" if r.get("grouped_experts") else "")
+
+
 def table(rows: list[dict]) -> list[str]:
     head = ("| model | workload | recompute | traj tokens | compression | base ms | harts ms | speedup | target "
             "| w/ opt | base GiB | harts GiB | rounds b/h | lp diff h-b max/mean | lp diff rerun max/mean "
@@ -513,7 +519,7 @@ def table(rows: list[dict]) -> list[str]:
         b, h = r["baseline"], r["harts"]
         rr, fb = (f"{d['max']:.2e}/{d['mean']:.1e}" if d else "-"
                   for d in (r.get("lp_diff_rerun"), r.get("lp_diff_baseline_flex")))
-        lines.append(f"| {r['model']} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['trajectory_tokens']} "
+        lines.append(f"| {model_label(r)} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['trajectory_tokens']} "
                      f"| {r['compression']:.2f} | {b['grad_ms']:.1f} | {h['grad_ms']:.1f} | {r['speedup']:.2f} "
                      f"| {r['target']:.2f} | {r['speedup_with_opt']:.2f} | {b['peak_gib']:.1f} | {h['peak_gib']:.1f} "
                      f"| {b['rounds']}/{h['rounds']} | {r['lp_diff_harts']['max']:.2e}/{r['lp_diff_harts']['mean']:.1e} "
@@ -549,7 +555,7 @@ def table_fresh(rows: list[dict]) -> list[str]:
         w = lambda d: f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]"  # noqa: E731
         ps, tot = paired_speedups(r) if "steps" in b and "steps" in h else (None, None)
         rr, fb = (f"{d['max']:.2e}" if d else "-" for d in (r.get("lp_diff_rerun"), r.get("lp_diff_baseline_flex")))
-        lines.append(f"| {r['model']} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['steps']} "
+        lines.append(f"| {model_label(r)} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['steps']} "
                      f"| {r['trajectory_tokens']} | {r['compression']:.2f} | {w(b['wall_ms'])} | {w(h['wall_ms'])} "
                      f"| {b['host_ms']['median']:.1f} | {h['host_ms']['median']:.1f} "
                      f"| {r['speedup']:.2f} [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}] "
@@ -590,8 +596,12 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
                                                if x.get("pad_multiple") else "") for x in metas]
     fresh = table_fresh(rows)
     if fresh:
+        ws = sorted({r.get("warmup_batches", m.get("warmup_batches", "?")) for r in rows if r.get("fresh_batches")},
+                    key=str)
+        warm = (f"{ws[0]} warm-up batches" if len(ws) == 1 else
+                f"{' or '.join(map(str, ws))} warm-up batches (`--warmup-batches` of each row's command above)")
         lines += ["", "## New global batch every step (as training meets it)", "",
-                  f"{m.get('warmup_batches', '?')} warm-up batches, then each timed step on a new batch (same "
+                  f"{warm}, then each timed step on a new batch (same "
                   "trajectories on both sides). Step ms = wall clock of planning, packing, host-to-device copies, "
                   "per-pack plans / block masks and forward + backward of all microbatches; host ms = the planning, "
                   "packing and copy part; speedup from the median step times, [range] = min/max ratio over steps.",
@@ -599,9 +609,9 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
     if len(fresh) < len(rows):
         lines += ["", "## Same batch every step (history: packs built once, outside the timing)", ""] + table(rows)
     fig, ax = plt.subplots(figsize=(5.5, 4.2))
-    for key in sorted({(r["model"], r["recompute"], bool(r.get("fresh_batches"))) for r in rows}):
+    for key in sorted({(model_label(r), r["recompute"], bool(r.get("fresh_batches"))) for r in rows}):
         pts = sorted((r["compression"], r["speedup"], r["workload"]) for r in rows
-                     if (r["model"], r["recompute"], bool(r.get("fresh_batches"))) == key)
+                     if (model_label(r), r["recompute"], bool(r.get("fresh_batches"))) == key)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if key[2] else "x--",
                 label=f"{key[0]}, recompute {'on' if key[1] else 'off'}" + (", new batch/step" if key[2] else ", same batch"))
         for c, s, w in pts:
@@ -670,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.plot:
             with open(path) as f:
                 d = json.load(f)
-            rows += d["rows"]
+            grouped = bool(d["meta"].get("grouped_experts"))     # a run-wide flag: tag its MoE rows
+            rows += [{**r, "grouped_experts": True} if grouped and r["model"] == "moe" else r for r in d["rows"]]
             failed += d.get("failed", [])
             metas.append(d["meta"])
         render(rows, metas, args.out, failed)
