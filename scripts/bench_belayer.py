@@ -5,7 +5,8 @@ lost_trajectories, overhead_pct, reps, spread, device, note}`` (medians over ``-
 min and max) to ``--out`` (JSON).
 
 Engine rows (``--engine embedded``: the embedded transformers server on CPU with a tiny steered
-random model; ``--engine sglang --model-path DIR``: SGLang on a GPU, not run yet): a long request
+random model; ``--engine sglang --model-path DIR``: SGLang on a GPU, run once on the H200 by
+``scripts/gpu_belayer.sh``: docs/benchmarks/belayer_h200.json): a long request
 (``--kill-at`` tokens generated of ``--max-new-tokens``) whose server is SIGKILLed. The steps
 (``--plan``, or ``--reps`` / ``--cold-reps``) run on one supervisor, servers started one at a time
 (SGLang servers sharing a GPU must not profile their memory together); a shadow is started after a
@@ -28,7 +29,9 @@ episodes on the embedded engine) with plain engines and environments vs Belayer'
 token log, resumable engine, checkpointed environments), alternated ``--reps`` times.
 
 ``python scripts/bench_belayer.py --reps 5 --out docs/benchmarks/belayer.json`` (CPU, ~5 min);
-``bash scripts/gpu_belayer.sh`` (H200, SGLang: one device call, see there).
+``bash scripts/gpu_belayer.sh`` (H200, SGLang: one device call, see there); its rows go into the CPU file
+with ``--merge-rows docs/benchmarks/belayer_h200.json --out docs/benchmarks/belayer.json --plot
+docs/benchmarks/belayer.png`` (rows carry ``device``; ``--merge`` keeps the other device kind's rows).
 """
 from __future__ import annotations
 
@@ -645,7 +648,13 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cold-reps", type=int, default=3)
     p.add_argument("--overhead-reps", type=int, default=4)
-    p.add_argument("--merge", action="store_true", help="keep the rows of the other parts already in --out")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows already in --out of the other parts, and those of another device kind (CPU / "
+                        "GPU) of any part")
+    p.add_argument("--merge-rows", default=None, metavar="JSON",
+                   help="run nothing: put the rows of another output of this script (e.g. the H200 record "
+                        "docs/benchmarks/belayer_h200.json) into --out, replacing --out's rows of the same part and "
+                        "device kind; with --plot, redraw")
     p.add_argument("--plot", default=None, help="also draw the rows of --out into this PNG")
     p.add_argument("--plot-only", action="store_true", help="only draw --plot from --out")
     p.add_argument("--kill-at", type=int, default=200)
@@ -681,6 +690,11 @@ def main(argv=None):
     p.add_argument("--parts", default="engine,env,overhead")
     p.add_argument("--out", default="docs/benchmarks/belayer.json")
     args = p.parse_args(argv)
+    if args.merge_rows:
+        merge_rows(args.merge_rows, args.out)
+        if args.plot:
+            plot(args.out, args.plot)
+        return 0
     if args.plot_only:
         if not args.plot:
             p.error("--plot-only needs --plot PNG")
@@ -745,10 +759,13 @@ def _write(args, parts, cmd, device, rows, detail, meta):
         out["engine_run"] = meta
     if args.merge and Path(args.out).is_file():
         old = json.loads(Path(args.out).read_text())
-        keep = [x for x in old["rows"] if x.get("part") not in parts]
-        order = ["engine", "env", "overhead"]
-        out["rows"] = sorted(keep + rows, key=lambda x: order.index(x.get("part", "engine")))
+        kind = _device_kind(device)
+        keep = [x for x in old["rows"]
+                if x.get("part") not in parts or _device_kind(x.get("device") or old.get("device")) != kind]
+        out["rows"] = _sorted_rows(keep + rows)
         out["commands"] = {**old.get("commands", {}), **out["commands"]}
+        if "merged" in old:
+            out["merged"] = old["merged"]
         if "engine" not in parts:
             out["engine_reps"] = old.get("engine_reps", [])
             if "engine_run" in old:
@@ -757,6 +774,39 @@ def _write(args, parts, cmd, device, rows, detail, meta):
     tmp = Path(str(args.out) + ".tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")
     os.replace(tmp, args.out)          # a reader (or a kill) never sees half a file
+
+
+_PARTS = ["engine", "env", "overhead"]
+
+
+def _device_kind(device):
+    """``CPU`` or ``GPU``: rows of one kind replace each other on a merge, the other kind's stay."""
+    return "GPU" if str(device or "").startswith("GPU") else "CPU"
+
+
+def _sorted_rows(rows):
+    """By part (engine, env, overhead), CPU rows before GPU rows within a part; stable otherwise."""
+    return sorted(rows, key=lambda x: (_PARTS.index(x.get("part", "engine")), _device_kind(x.get("device")) == "GPU"))
+
+
+def merge_rows(src, out):
+    """Put the rows of ``src`` (an output of this script, e.g. from another device) into ``out``,
+    replacing the rows of ``out`` with the same part and device kind; ``src``'s run details
+    (device, commands, ``engine_run``) are kept under ``merged[src]`` (its ``engine_reps`` stay in
+    ``src``, the raw record)."""
+    s = json.loads(Path(src).read_text())
+    d = json.loads(Path(out).read_text())
+    new = [dict(r, device=r.get("device") or s.get("device"), part=r.get("part", "engine"), source=str(src))
+           for r in s["rows"]]
+    replaced = {(r["part"], _device_kind(r["device"])) for r in new}
+    keep = [r for r in d["rows"]
+            if (r.get("part", "engine"), _device_kind(r.get("device") or d.get("device"))) not in replaced]
+    d["rows"] = _sorted_rows(keep + new)
+    d.setdefault("merged", {})[str(src)] = {"merged_by": f"python scripts/bench_belayer.py --merge-rows {src} --out {out}",
+                                            **{k: s[k] for k in ("device", "commands", "engine_run") if k in s}}
+    tmp = Path(str(out) + ".tmp")
+    tmp.write_text(json.dumps(d, indent=1) + "\n")
+    os.replace(tmp, out)
 
 
 def _gpu_name():
@@ -777,6 +827,23 @@ def plot(json_path, png_path):
 
     d = json.loads(Path(json_path).read_text())
     rows = [r for r in d["rows"] if r.get("recovery_s") and r.get("baseline_s")]
+    devices = list(dict.fromkeys(r.get("device") or d["device"] for r in rows))
+
+    def tag(r):                    # which device, when the file holds more than one
+        if len(devices) < 2:
+            return ""
+        dev = r.get("device") or d["device"]
+        if _device_kind(dev) == "CPU" or "(" not in dev:
+            return _device_kind(dev) + ": "
+        return dev.split("(", 1)[1].split(",")[0].replace("NVIDIA ", "") + ": "      # "H200: "
+
+    def row_label(r):
+        other = " (baseline: other kill target)" if "baseline measured with the other kill target" in \
+            (r.get("note") or "") else ""
+        return f"{tag(r)}{r['fault']}\n{r['mechanism']}\nvs {r['baseline']}{other} [{r.get('reps')} rep(s)]"
+
+    def times(x):
+        return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
     fig, ax = plt.subplots(figsize=(10, 0.9 * len(rows) + 1.2))
     for i, r in enumerate(rows):
         sp = r.get("spread") or {}
@@ -786,12 +853,13 @@ def plot(json_path, png_path):
             y = i + (0.2 if j else -0.2)
             ax.barh(y, r[key], height=0.38, color=color, label=label if i == 0 else None)
             ax.plot([lo, hi], [y, y], color="black", lw=1)
-        ax.text(max(r["baseline_s"], r["recovery_s"]) * 1.3, i, f"{r['speedup']:.1f}x", va="center", fontsize=8)
+        ax.text(max(r["baseline_s"], r["recovery_s"]) * 1.3, i, times(r["speedup"]), va="center", fontsize=8)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"{r['fault']}\n{r['mechanism']}\nvs {r['baseline']}" for r in rows], fontsize=6)
+    ax.set_yticklabels([row_label(r) for r in rows], fontsize=6)
     ax.set_xscale("log")
+    ax.set_xlim(right=max(max(r["baseline_s"], r["recovery_s"]) for r in rows) * 8)    # room for the ratios
     ax.set_xlabel("seconds: fault -> first resumed token / consistent observation (median, min-max)", fontsize=8)
-    ax.set_title(f"Belayer recovery, {d['device']}", fontsize=9)
+    ax.set_title("Belayer recovery, " + "; ".join(devices), fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
     ax.invert_yaxis()
     fig.tight_layout()
