@@ -257,6 +257,20 @@ def _killed_request(args, sup, eng, sp, prompt, rid, target, timeout):
     return out.get("g"), rec, k, t_kill, what, out.get("e")
 
 
+def _first_diff(got, ref, resumed_at=None, around=8):
+    """Where a resumed output first differs from the uninterrupted one: ``{"pos", "resumed_at"
+    (the output offset the last attempt started from), "lengths", "got", "ref"}`` (``got`` /
+    ``ref``: the tokens from ``around`` before that position to ``around`` after, and ``from``:
+    the position of their first token), or None when they are equal."""
+    got, ref = [int(t) for t in got], [int(t) for t in ref]
+    if got == ref:
+        return None
+    pos = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    lo = max(0, pos - around)
+    return {"pos": pos, "resumed_at": resumed_at, "lengths": [len(got), len(ref)], "from": lo,
+            "got": got[lo:pos + around + 1], "ref": ref[lo:pos + around + 1]}
+
+
 def _warmup_fn(args):
     """A sampled generation at the resumed request's prefill length and one at the prompt's, with
     token ids unlike the benchmark prompt's (no prefix-cache help): SGLang compiles its seeded
@@ -321,6 +335,10 @@ def bench_engine(args, workdir, device, save=None):
     detail = []
     meta = {"plan": [f"{m}:{t}" for m, t in steps], "engine_args": state["engine_args"], "server_starts_s": [],
             "warmups_s": [], "fallback": None, "complete": False, "skipped": []}
+    if args.engine == "sglang":        # what SGLangServer sets unless told otherwise (crash diagnostics off)
+        from megatron_harts.rollout.engines import SGLangServer
+        meta["sglang_env"] = {n: os.environ.get(n, "0 (SGLangServer default)")
+                              for n in SGLangServer.CRASH_DIAGNOSTICS_ENV}
 
     def phase(msg, *a):
         log.info("[+%6.1f s] " + msg, time.monotonic() - t0, *a)
@@ -441,9 +459,11 @@ def bench_engine(args, workdir, device, save=None):
                 res[(mode, target)].append(rec_s)
             evs = sup.events[n_ev:]
             same = g is not None and g.output_ids == ref.output_ids
+            diff = _first_diff(g.output_ids, ref.output_ids, resumed_at=segs[-1].offset if segs else None) \
+                if g is not None and not same else None
             detail.append({"step": i, "mode": mode, "kill": target, "killed": what, "tokens_at_kill": k,
                            "tokens_before_failure": lost,
-                           "recovery_s": rec_s, "same_output": same, "error": err,
+                           "recovery_s": rec_s, "same_output": same, "first_diff": diff, "error": err,
                            "detect_s": round(evs[0].t_detect - t_kill, 4) if evs and t_kill else None,
                            "failover": [(e.how, e.cause[:80], round(e.seconds, 4)) for e in evs],
                            "segments": [{"worker": s_.worker, "offset": s_.offset, "tokens": s_.tokens,
@@ -460,7 +480,7 @@ def bench_engine(args, workdir, device, save=None):
                     phase("step %d: the slot's worker is %s", i + 1, getattr(sup.worker(0), "name", None))
             else:
                 if mode != "restart" and not same:
-                    log.warning("step %d: output differs from the uninterrupted one", i + 1)
+                    log.warning("step %d: output differs from the uninterrupted one: %s", i + 1, diff)
                 phase("step %d: %d tokens at the kill (%s), recovery %s s, failover %s", i + 1, k, what,
                       _fmt(rec_s), [(e.how, round(e.seconds, 3)) for e in evs])
             snapshot()

@@ -18,12 +18,18 @@
 #          restart:group on the shadow, but the request starts over (abort-and-resubmit baseline)
 #          shadow:child  only the scheduler child (process title sglang::scheduler) SIGKILLed: SGLang's
 #                        subprocess watchdog (1 s poll) SIGQUITs the HTTP server, which kills its tree
+#                        (measured 2026-12-02: 6.75 s, 5 s of it SGLang's crash-diagnostics sleep). Since
+#                        then (not yet rerun here): SGLangServer sets SGLANG_PYSPY_DUMP_BEFORE_CRASH=0 and
+#                        SGLANG_CUDA_COREDUMP_BEFORE_CRASH=0 unless they are in the environment, its
+#                        alive() watches the sglang:: children (the supervisor sees the dead scheduler
+#                        within its 0.25 s period) and the supervisor SIGKILLs a failed worker's group at
+#                        promotion (the request's silent stream breaks at once). CPU stub: ~0.02-0.25 s.
 #   One SGLang start per step (the killed server's replacement) plus the first two; a step that would not
 #   end within BUDGET is skipped, the JSON is rewritten after every step, phases are logged with times.
 # --enable-deterministic-inference (SM90: fa3 attention, as without it; pytorch sampling with Gumbel noise
 # keyed by sampling_seed and position; batch-invariant matmuls) should make the resumed continuation equal
-# the uninterrupted one (the log says "output differs" where it does not: GDN prefill and recurrent decode
-# kernels round differently). It was never run with Qwen3-Next's GDN layers: if the first start fails, the
+# the uninterrupted one (the log says "output differs" where it does not, and the step's detail records
+# first_diff: position and tokens around it; GDN prefill and recurrent decode kernels round differently). It was never run with Qwen3-Next's GDN layers: if the first start fails, the
 # bench starts again with FALLBACK_ARGS (the flags the H200 rollout runs used) and records it.
 # Files in $OUT (the device returns at most 8): belayer_h200.json, gpu_belayer.log, sglang_logs.tgz.
 # Time (quick; F = first SGLang start on the machine 55-180 s + warm-up with the first torch.compile,

@@ -10,11 +10,14 @@ Pieces (each behind the :class:`~megatron_harts.rollout.types.Engine` protocol o
   slots and ``num_shadows`` pre-started *shadow* workers, already loaded and kept at the current
   weight version (:meth:`Supervisor.update_weights_from_disk` goes to every worker, shadows
   included, and a shadow started later comes up on the newest checkpoint). A monitor thread checks
-  each active worker every ``health_interval_s`` (process exit, ``GET /health``); a client that
-  sees a connection error reports it (:meth:`Supervisor.failover`). A failed slot gets a shadow
-  (promotion: a pointer swap, milliseconds), the dead server is reaped and a new shadow is started
-  in the background. With no shadow ready the slot waits for one being started, or cold-starts a
-  server (the baseline).
+  each active worker every ``health_interval_s`` (the server's ``alive()``: process exit, and for
+  SGLang a dead scheduler or detokenizer child) and, in a second thread, ``GET /health``; a client
+  that sees a connection error reports it (:meth:`Supervisor.failover`). A failed slot gets a
+  shadow (promotion: a pointer swap, milliseconds); the failed server's process group is SIGKILLed
+  at once (``kill_failed``: a request still reading its stream, e.g. from an SGLang HTTP process
+  whose scheduler died, gets a broken connection and resumes on the shadow now, not when the
+  server exits by itself), it is reaped and a new shadow is started in the background. With no
+  shadow ready the slot waits for one being started, or cold-starts a server (the baseline).
 * :class:`ResumableEngine`: the ``Engine`` the agent loop sees for one slot. ``generate`` streams
   (``HttpEngine.generate_stream``), logging tokens as they arrive; when the worker fails mid-request
   it continues on the slot's replacement with ``input_ids = prompt + generated so far`` and
@@ -186,13 +189,19 @@ class Supervisor:
     can leave one with none); ``warmup(engine)``: run on every new worker before it is used (a
     shadow before it is ready, a cold start before it serves), e.g. a short sampled generation so
     that JIT compilation (SGLang's ``torch.compile``'d seeded sampler, Triton autotuning) is not
-    charged to the first real request; its time is part of ``cold_starts`` (also in ``warmups``).
+    charged to the first real request; its time is part of ``cold_starts`` (also in ``warmups``);
+    ``kill_failed``: SIGKILL a failed worker's process group (the server's ``kill()``) the moment
+    its slot is handed to another worker (False: only the background ``stop()``, SIGTERM then
+    SIGKILL after the server's grace period, during which its open streams may stay silent; an
+    SGLang server given SIGTERM drains its requests, which a dead scheduler never finishes).
+    The price of True: a worker declared failed by mistake (``/health`` slow twice under load and
+    once more on the re-check) loses its in-flight requests, which then resume on the new worker.
     """
 
     def __init__(self, start_server: Callable[[str, str | None], Any], model_path: str, version: str | None = None,
                  *, num_active: int = 1, num_shadows: int = 1, health_interval_s: float = 0.5,
                  engine_kw: dict | None = None, failover_timeout_s: float = 600.0, parallel_start: bool = True,
-                 warmup: Callable[[HttpEngine], Any] | None = None):
+                 warmup: Callable[[HttpEngine], Any] | None = None, kill_failed: bool = True):
         if num_active < 1 or num_shadows < 0:
             raise ValueError(f"Supervisor needs num_active >= 1 and num_shadows >= 0, got {num_active}, {num_shadows}")
         self._start_server = start_server
@@ -202,6 +211,7 @@ class Supervisor:
         self.engine_kw = dict(engine_kw or {"timeout": 120.0, "retries": 0})
         self.failover_timeout_s = float(failover_timeout_s)
         self.parallel_start, self._warmup = bool(parallel_start), warmup
+        self.kill_failed = bool(kill_failed)
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self.slots: list[Worker | None] = [None] * num_active
@@ -213,7 +223,7 @@ class Supervisor:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="belayer-sup")
-        self._monitor: threading.Thread | None = None
+        self._monitors: list[threading.Thread] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _new_worker(self) -> Worker:
@@ -268,16 +278,18 @@ class Supervisor:
             self.slots = workers[:self.num_active]
             self.shadows.extend(workers[self.num_active:])
         if self.health_interval_s > 0:
-            self._monitor = threading.Thread(target=self._watch, name="belayer-monitor", daemon=True)
-            self._monitor.start()
+            self._monitors = [threading.Thread(target=f, name=f"belayer-monitor-{n}", daemon=True)
+                              for f, n in ((self._watch, "process"), (self._watch_health, "health"))]
+            for t in self._monitors:
+                t.start()
         return self
 
     def close(self, wait: bool = True) -> None:
         """Stop the monitor and every server. ``wait=False``: do not wait for shadows still
         starting in the background (each stops itself once up; the caller may stop them sooner)."""
         self._stop.set()
-        if self._monitor is not None:
-            self._monitor.join(5.0)
+        for t in self._monitors:
+            t.join(5.0)
         self._pool.shutdown(wait=wait, cancel_futures=True)
         with self._lock:
             workers = [w for w in self.slots if w is not None] + list(self.shadows)
@@ -340,7 +352,19 @@ class Supervisor:
             return claimed.engine
         return self._replace(slot, claimed, cause, t_detect).engine
 
+    @staticmethod
+    def _kill_quietly(w: Worker) -> None:
+        kill = getattr(w.server, "kill", None)
+        if kill is None:
+            return
+        try:
+            kill()
+        except Exception as e:       # noqa: BLE001 - best effort on a dead server
+            log.debug("killing %s: %s", w.name, e)
+
     def _replace(self, slot: int, failed: Worker, cause: str, t_detect: float) -> Worker:
+        if self.kill_failed:         # its open streams break now: their requests fail over at once
+            self._kill_quietly(failed)
         self._pool.submit(self._stop_quietly, failed)          # reap the dead server in the background
         new = self._take_shadow()
         with self._cv:
@@ -413,20 +437,28 @@ class Supervisor:
             self._stop_quietly(w)
 
     def _watch(self) -> None:
-        """Monitor: an active worker whose process exited or whose ``/health`` fails is replaced
-        (proactively: before a client trips over it)."""
+        """Monitor, process part: an active worker whose server is not ``alive()`` (process
+        exited; for SGLang also a dead scheduler or detokenizer child) is replaced at once. Its own
+        thread: cheap ``/proc`` reads every ``health_interval_s``, never stuck behind a ``/health``
+        call (SGLang's takes >= 1 s and one in flight when the scheduler dies hangs 2 s)."""
         while not self._stop.wait(self.health_interval_s):
             for slot in range(self.num_active):
                 w = self.worker(slot)
-                if w is None:
+                alive = getattr(w.server, "alive", None) if w is not None else None
+                if alive is None or alive() or self._stop.is_set():
                     continue
-                alive = getattr(w.server, "alive", None)
-                dead = alive is not None and not alive()
-                if not dead and not w.engine.alive(timeout=2.0):
-                    dead = not w.engine.alive(timeout=2.0)        # twice: one slow reply is not a failure
-                if dead and not self._stop.is_set():
-                    self.failover(slot, w.engine, "monitor: process exited" if alive and not alive()
-                                  else "monitor: /health failed")
+                self.failover(slot, w.engine, f"monitor: {getattr(w.server, 'dead_reason', None) or 'process exited'}")
+
+    def _watch_health(self) -> None:
+        """Monitor, health part: an active worker whose ``GET /health`` fails twice in a row (one
+        slow reply is not a failure) is replaced (proactively: before a client trips over it)."""
+        while not self._stop.wait(self.health_interval_s):
+            for slot in range(self.num_active):
+                w = self.worker(slot)
+                if w is None or w.engine.alive(timeout=2.0) or w.engine.alive(timeout=2.0):
+                    continue
+                if not self._stop.is_set() and self.worker(slot) is w:
+                    self.failover(slot, w.engine, "monitor: /health failed")
 
     # -- weights --------------------------------------------------------------------------------
     def _update_worker(self, w: Worker, path: str, version: str | None) -> None:

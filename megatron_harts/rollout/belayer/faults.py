@@ -11,7 +11,8 @@ running one and
 
 and between commands may ``lose`` a sandbox (unmounts its overlay and tmpfs and deletes its
 directory, as a crashed container). Every injected fault is recorded with its time and target.
-Engine faults: :func:`kill_server` SIGKILLs an engine server's process group.
+Engine faults: :func:`kill_server` SIGKILLs an engine server's process group, or only its
+scheduler child (SGLang's ``sglang::scheduler``, found by process title).
 
 The checker (:func:`replay_check`): each final trajectory is cut into its model turns and
 observations (``Trajectory.extra["turns"]``), the actions are replayed in a fresh environment of
@@ -184,22 +185,38 @@ def lose_sandbox(sb) -> bool:
     return True
 
 
+SCHEDULER_TITLES = ("sglang::scheduler",)
+
+
 def kill_server(server, target: str = "group") -> Fault:
     """SIGKILL an engine server (a started ``_ServerProcess``): ``group``: its whole process group
-    (the server and every child); ``child``: only its first child process (SGLang's scheduler; the
-    server process itself stays up until its watchdog notices), the whole group when it has none."""
+    (the server and every child); ``child``: only one child process: SGLang's scheduler, found by
+    its process title (``sglang::scheduler...``, set by SGLang with setproctitle; the server
+    process itself stays up until SGLang's subprocess watchdog notices), else the lowest-pid
+    child (for SGLang that would be multiprocessing's resource tracker, started before the
+    scheduler: hence the title), the whole group when there is no child. ``Fault.target`` names
+    the pid and title killed."""
+    from ..engines.launch import _proc_stat, find_children, proc_descendants, proc_title
+
+    if target not in ("group", "child"):
+        raise ValueError(f"kill_server: target must be 'group' or 'child', got {target!r}")
     proc = server.proc
     landed = proc is not None and proc.poll() is None
     what = server.url
     if landed:
         try:
-            kids = []
+            victim = None
             if target == "child":
-                for task in Path(f"/proc/{proc.pid}/task").iterdir():
-                    kids += [int(p) for p in (task / "children").read_text().split()]
-            if kids:
-                os.kill(min(kids), signal.SIGKILL)
-                what = f"{server.url} child {min(kids)}"
+                sched = find_children(proc.pid, SCHEDULER_TITLES)
+                if sched:
+                    victim = sched[0]
+                else:
+                    direct = [p for p in proc_descendants(proc.pid) if (_proc_stat(p) or (None,))[0] == proc.pid]
+                    if direct:
+                        victim = (direct[0], proc_title(direct[0]) or "?")
+            if victim is not None:
+                os.kill(victim[0], signal.SIGKILL)
+                what = f"{server.url} child {victim[0]} ({victim[1][:60]})"
             else:
                 os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, FileNotFoundError):
