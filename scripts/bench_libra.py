@@ -8,8 +8,13 @@ Writes ``<out>/libra.json`` (rows ``{setting, policy, gpus, throughput, step_s, 
 simulated, ...}`` plus the queue comparison and the planner's prediction check), ``<out>/libra.md``
 (tables) and ``<out>/libra.png``.
 
-    python scripts/bench_libra.py                     # docs/benchmarks/, ~10 min on 2 CPU cores
+    python scripts/bench_libra.py                     # docs/benchmarks/, ~5 min on 2 CPU cores
     python scripts/bench_libra.py --quick --out /tmp/libra
+    python scripts/bench_libra.py --static-oracle drift:16:1,drift:64:2   # hindsight static split only
+
+Rollout costs: ``--calibration`` (default ``docs/benchmarks/libra_calibration_h200.json``, the H200
+decode grid, through ``costs.rollout_cost_from_calibration``); ``--calibration gpu.md``: GPU.md's two
+decode points (the costs before 2026-12-02).
 """
 from __future__ import annotations
 
@@ -75,6 +80,34 @@ def split_rows(args, rc, tc) -> list[dict]:
     return rows
 
 
+def static_oracle_rows(args, rc, tc, cases) -> list[dict]:
+    """The static asynchronous split with hindsight: every candidate R of ``sim.tune_static_split``'s
+    grid simulated over the whole run, the best one, against the step-0-tuned static split and
+    ``libra (async k)``. Not a deployable baseline (it sees the run); a bound for any fixed split."""
+    out = []
+    for setting, gpus, k in cases:
+        w = workload.WorkloadConfig(steps=args.steps, groups=2 * gpus, **SETTINGS[setting])
+        cfg = sim.SimConfig(gpus=gpus, steps=args.steps, staleness=k, sync_s=args.sync_s, switch_s=args.switch_s)
+        tune = sim.tune_static_split
+        tuned_r = tune(workload.step_batch(w, 0), rc, tc, cfg)
+        res = {}
+        try:
+            for r in sorted(set(list(range(1, gpus, max(1, gpus // 16))) + [gpus - 1])):
+                sim.tune_static_split = lambda *a, r=r, **kw: r
+                res[r] = sim.run_policy("static", w, cfg, rc, tc)["throughput"]
+        finally:
+            sim.tune_static_split = tune
+        libra = sim.run_policy("libra", w, cfg, rc, tc)["throughput"]
+        best = max(res, key=res.get)
+        out.append({"setting": setting, "gpus": gpus, "k": k, "static_tuned_r": tuned_r, "tuned": round(res[tuned_r]),
+                    "best_r": best, "best": round(res[best]), "libra": round(libra),
+                    "libra_vs_tuned": round(libra / res[tuned_r], 3), "libra_vs_oracle": round(libra / res[best], 3),
+                    "throughput_by_r": {r: round(v) for r, v in res.items()}, "simulated": True})
+        log.info("static oracle %s %d GPUs k=%d: tuned R=%d %.0f, best R=%d %.0f, libra %.0f (%.3fx of the best)",
+                 setting, gpus, k, tuned_r, res[tuned_r], best, res[best], libra, libra / res[best])
+    return out
+
+
 def queue_rows(args, rc) -> list[dict]:
     """C-MLFQ vs FCFS / SPF / PLAS on one saturated synchronous rollout (memory-tight engines)."""
     rows = []
@@ -133,7 +166,7 @@ def write_md(path: Path, meta: dict, rows: list[dict], qrows: list[dict], pcheck
              "simulator `megatron_harts/rollout/libra/sim.py`), with cost models fitted on the H200 "
              "measurements listed in [../libra.md](../libra.md#calibration). Nothing here ran on a GPU.", "",
              f"Costs: rollout decode `a={meta['rollout']['a_s'] * 1e3:.3f} ms + b={meta['rollout']['b_s'] * 1e3:.4f} ms x batch "
-             f"+ c={meta['rollout']['c_s'] * 1e9:.2f} ns x context tokens` per iteration, prefill "
+             f"+ c={meta['rollout']['c_s'] * 1e9:.2f} ns x context tokens` per iteration ({_decode_note(meta['rollout'])}), prefill "
              f"{meta['rollout']['prefill_tok_s'] / 1e3:.0f}K tok/s; training 1/({meta['train']['p_s'] * 1e6:.2f} us + "
              f"{meta['train']['q_s'] * 1e12:.3f} ps x mean length) compact tok/s per GPU; weight sync {meta['sync_s']} s; "
              f"role switch {meta['switch_s']} s (assumed). {meta['steps']} RL steps; batch = 2 x GPUs groups of 8 samples.", "",
@@ -166,6 +199,14 @@ def write_md(path: Path, meta: dict, rows: list[dict], qrows: list[dict], pcheck
     for r in pcheck:
         lines.append(f"| {r['step']} | {r['engines']} | {r['predicted_s']} | {r['simulated_s']} | {r['ratio']} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def _decode_note(r: dict) -> str:
+    f = r.get("fit") or {}
+    if "measured" not in f:
+        return r.get("source") or "GPU.md"
+    return (f"a, b fitted on `{r.get('source')}`, {len(f.get('points', []))} points kept of "
+            f"{len(f.get('points', [])) + len(f.get('dropped', []))}; c = {f.get('c_from')} for the simulated model")
 
 
 def args_step(qrows):
@@ -207,13 +248,17 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--sync-s", type=float, default=None, help="weight sync s (default: rollout.json's median)")
     ap.add_argument("--switch-s", type=float, default=10.0, help="one role switch, s (assumption)")
-    ap.add_argument("--calibration", default=None,
-                    help="libra_calibration.json of scripts/libra_calibrate_h200.py (decode vs batch x context)")
+    ap.add_argument("--calibration", default=str(costs.BENCH / "libra_calibration_h200.json"),
+                    help="libra_calibration.json of scripts/libra_calibrate_h200.py (decode vs batch x context; "
+                         "default: the H200 one in docs/benchmarks); 'gpu.md': GPU.md's two decode points instead")
     ap.add_argument("--queue-engines", type=int, default=16)
     ap.add_argument("--long-engines", type=int, default=4)
     ap.add_argument("--queue-groups", type=int, default=128)
     ap.add_argument("--queue-max-batch", type=int, default=32)
     ap.add_argument("--queue-kv-tokens", type=int, default=400_000)
+    ap.add_argument("--static-oracle", default=None, metavar="CASES",
+                    help="only the hindsight static split: SETTING:GPUS:K,... (e.g. drift:16:1,drift:64:2) -> "
+                         "<out>/libra_static_oracle.json")
     ap.add_argument("--quick", action="store_true", help="3 steps, 8 and 16 GPUs, small queue run")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -232,16 +277,35 @@ def main(argv=None) -> int:
     if args.quick:
         args.steps, args.gpus, args.queue_groups = 3, [8, 16], 48
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.calibration:
+    if args.calibration and args.calibration.lower() != "gpu.md":
         if not Path(args.calibration).is_file():
             ap.error(f"--calibration: no such file {args.calibration}")
-        pts, pre = costs.load_rollout_points(args.calibration)
-        rc = costs.fit_rollout_cost(pts, fit_context=True, prefill_tok_s=pre, source=args.calibration)
+        # a, b measured (screened NNLS fit); c and prefill for the simulated 1.48B model (costs.py)
+        rc = costs.rollout_cost_from_calibration(args.calibration)
+        try:
+            rc.source = f"{Path(args.calibration).resolve().relative_to(costs.REPO)} ({rc.fit['decode_source']})"
+        except ValueError:
+            pass
     else:
         rc = costs.fit_rollout_cost()
     tc = costs.fit_train_cost()
     args.sync_s = costs.fit_sync_cost().seconds() if args.sync_s is None else args.sync_s
     t0 = time.perf_counter()
+    if args.static_oracle:
+        try:
+            cases = [(c.split(":")[0], int(c.split(":")[1]), int(c.split(":")[2])) for c in args.static_oracle.split(",")]
+        except (IndexError, ValueError):
+            ap.error(f"--static-oracle: SETTING:GPUS:K,..., got {args.static_oracle!r}")
+        if any(c[0] not in SETTINGS or c[1] < 2 or c[2] < 1 for c in cases):
+            ap.error(f"--static-oracle: settings from {list(SETTINGS)}, GPUS >= 2, K >= 1")
+        orows = static_oracle_rows(args, rc, tc, cases)
+        meta = {"simulated": True, "what": static_oracle_rows.__doc__.split("\n\n")[0].replace("\n    ", " "),
+                "rollout": asdict(rc), "sync_s": round(args.sync_s, 3), "switch_s": args.switch_s, "steps": args.steps,
+                "argv": sys.argv[1:] if argv is None else list(argv), "wall_s": round(time.perf_counter() - t0, 1)}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "libra_static_oracle.json").write_text(json.dumps({"meta": meta, "rows": orows}, indent=1, default=str))
+        return 0
     rows = split_rows(args, rc, tc)
     qrows = queue_rows(args, rc)
     pcheck = planner_check(args, rc, tc)

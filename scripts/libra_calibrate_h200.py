@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Measure SGLang decode tokens/s vs batch and context (and the prefill rate) for Libra's rollout
-cost model. WRITTEN FOR THE H200, NOT RUN YET.
+cost model. Ran on the H200 on 2026-12-02 (docs/benchmarks/libra_calibration_h200.json).
 
 For each (batch B, prompt length L): a warm-up wave of B short prompts (new shapes compile
 outside the timed waves), then B concurrent ``/generate`` requests of random prompts with
@@ -9,9 +9,30 @@ outside the timed waves), then B concurrent ``/generate`` requests of random pro
 context ``L + (short + long) / 2``. Prefill (measured first): one request of the longest prompt
 with 1 new token. Writes ``<out>/libra_calibration.json`` after every point (a run cut short by
 ``--deadline-s`` or a kill still leaves the points so far; ``"complete": true`` at the end):
-``{"points": [[B, ctx, tokens/s], ...], "prefill_tok_s", "rows", "server_info"}``, which
-``costs.load_rollout_points`` + ``costs.fit_rollout_cost(points, fit_context=True)`` read.
-Contexts are capped at the model's ``max_position_embeddings - long`` (SGLang rejects longer).
+``{"points": [[B, ctx, tokens/s], ...], "prefill_tok_s", "rows", "server_info"}``; when this
+script started the server, also ``"log_waves"``: the decode-only rates of the server's own log
+(``costs.decode_waves_from_log``: SGLang logs the generation rate every 40 decode iterations; the
+intervals with no prefill in between). Contexts are capped at the model's
+``max_position_embeddings - long`` (SGLang rejects longer).
+
+**Reading it** (``costs.load_calibration`` / ``costs.rollout_cost_from_calibration``): the
+short/long difference is exact only if both waves prefill ``B x L`` tokens in the same time. At
+large ``B x L`` the prefill is most of the wave and varies between waves by more than the decode
+difference (H200, B=64 x 16K: 580K tokens/s in one wave, 370K in the other: 6.5K "decode
+tokens/s" against the log's 20.5K; B=128 x 16K: long wave faster than the short one), so the fit
+prefers the log's decode waves, and otherwise drops rows with no positive difference, rows whose
+``B x (L + long)`` exceeds the server's KV pool or running-request limit, and rows whose
+difference is under 20% of the short wave (prefill-dominated); then, on either source,
+non-monotone points (a larger batch or context measured > 20% faster) and outliers, and fits
+``a + b B + c B ctx`` by non-negative least squares (``costs.fit_rollout_cost``).
+
+``--refit FILE`` (no GPU): fit an existing JSON again (``--log`` its ``sglang_calibrate.log``,
+default: the one next to it), print the fits and, with ``--refit-out``, write the JSON with the
+log's waves and a ``"fit"`` section (an existing different measurement there is kept under
+``"history"``)::
+
+    python scripts/libra_calibrate_h200.py --refit out/libra_calibration.json \
+        --refit-out docs/benchmarks/libra_calibration_h200.json
 
     PYTHONPATH=/tmp/harts_site:$PWD python3 scripts/libra_calibrate_h200.py --out out \
         --engine-env PYTHONPATH=/tmp/site --model small-moe --deadline-s 280
@@ -268,15 +289,76 @@ def calibrate(url: str, vocab: int, *, batches: list[int], contexts: list[int], 
     return res
 
 
-def fit_and_print(res: dict, source: str) -> None:
-    from megatron_harts.rollout.libra.costs import fit_rollout_cost
+def refit(res: dict, source: str = "calibration", log_path: str | Path | None = None) -> dict:
+    """Fit ``res`` (a calibration result) again, offline: ``{"log": ..., "waves": ...}`` (the measured
+    model's decode terms from the server log's decode waves / from the screened short-long
+    differences, with the points kept and dropped) and ``"simulated_model"`` (what
+    ``bench_libra.py --calibration`` uses). ``log_path``: parse this server log into
+    ``res["log_waves"]`` / ``res["log_capacity"]`` first (``res`` is updated)."""
+    from megatron_harts.rollout.libra import costs
+    if log_path is not None:
+        waves, cap = costs.decode_waves_from_log(Path(log_path).read_text(errors="replace"))
+        res["log_waves"], res["log_capacity"] = waves, cap
+    fits: dict = {}
+    for src in ("log", "waves"):
+        if src == "log" and len(res.get("log_waves") or []) < 3:
+            continue
+        try:
+            cal = costs.load_calibration(res, decode_source=src)
+            rc = costs.fit_rollout_cost(cal["points"], fit_context=True, prefill_tok_s=res.get("prefill_tok_s") or math.nan,
+                                        dropped=cal["dropped"], source=source)
+            fits[src] = {"decode_source": cal["decode_source"], "a_s": rc.a_s, "b_s": rc.b_s, "c_s": rc.c_s,
+                         "kv_bytes_per_token": cal["kv_bytes_per_token"], **rc.fit}
+        except ValueError as e:
+            fits[src] = {"error": str(e)}
     try:
-        rc = fit_rollout_cost(res["points"], fit_context=True, prefill_tok_s=res.get("prefill_tok_s"), source=source)
+        rc = costs.rollout_cost_from_calibration(res)
+        fits["simulated_model"] = {"a_s": rc.a_s, "b_s": rc.b_s, "c_s": rc.c_s, "prefill_tok_s": rc.prefill_tok_s,
+                                   "decode_source": rc.fit["decode_source"], "c_from": rc.fit["c_from"],
+                                   "c_scaled_s": rc.fit["c_scaled_s"], "c_hbm_floor_s": rc.fit["c_hbm_floor_s"],
+                                   "kv_bytes_per_token": rc.fit["kv_bytes_per_token"]}
     except ValueError as e:
-        print(f"no context fit from {len(res['points'])} points: {e}")
-        return
-    print(f"a = {rc.a_s * 1e3:.3f} ms, b = {rc.b_s * 1e3:.4f} ms/request, c = {rc.c_s * 1e9:.3f} ns/context token, "
-          f"prefill {res.get('prefill_tok_s') or float('nan'):.0f} tokens/s")
+        fits["simulated_model"] = {"error": str(e)}
+    return fits
+
+
+def fit_and_print(res: dict, source: str, log_path: str | Path | None = None) -> dict:
+    """:func:`refit` and print each fit (terms, points kept, why points were dropped)."""
+    fits = refit(res, source, log_path)
+    for src, f in fits.items():
+        if "error" in f:
+            print(f"{src}: no context fit from {len(res.get('points', []))} points: {f['error']}")
+            continue
+        if src == "simulated_model":
+            print(f"simulated 1.48B model (bench_libra --calibration): a = {f['a_s'] * 1e3:.3f} ms, "
+                  f"b = {f['b_s'] * 1e3:.4f} ms/request, c = {f['c_s'] * 1e9:.3f} ns/context token ({f['c_from']}), "
+                  f"prefill {f['prefill_tok_s']:.0f} tokens/s")
+            continue
+        print(f"{src} ({f['decode_source']}, {len(f['points'])} points kept, {len(f['dropped'])} dropped): "
+              f"a = {f['a_s'] * 1e3:.3f} ms, b = {f['b_s'] * 1e3:.4f} ms/request, c = {f['c_s'] * 1e9:.3f} ns/context "
+              f"token{' (at its bound: ' + ', '.join(f['at_bound']) + ' = 0)' if f['at_bound'] else ''}, "
+              f"largest residual {f['max_abs_rel_residual']:.0%}, prefill {res.get('prefill_tok_s') or float('nan'):.0f} tokens/s")
+        for d in f["dropped"]:
+            print(f"  dropped B={d.get('batch')} ctx={d.get('ctx')}: {d['reason']}")
+    return fits
+
+
+def write_refit(res: dict, fits: dict, dst: Path, meta: dict) -> None:
+    """``res`` + ``"fit"`` to ``dst``; a different measurement already at ``dst`` (other ``rows``) is kept,
+    newest first, under ``"history"``."""
+    out = {**res, "fit": {**meta, **fits}}
+    history = list(res.get("history") or [])
+    if dst.exists():
+        old = json.loads(dst.read_text())
+        if old.get("rows") != res.get("rows") or old.get("points") != res.get("points"):
+            old_hist = old.pop("history", [])
+            history = [old] + old_hist
+        elif not history:
+            history = old.get("history", [])
+    if history:
+        out["history_note"] = "earlier calibrations this file replaced, newest first (their own points and fits)"
+        out["history"] = history
+    write_json(dst, out)
 
 
 def parse_ints(s: str) -> list[int]:
@@ -298,7 +380,36 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="wall-time budget of this process: no new point once it would not fit (0: none)")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--refit", default=None, metavar="JSON",
+                    help="no measurement: fit this libra_calibration.json again (offline, no GPU) and print the fits")
+    ap.add_argument("--log", default=None, help="--refit: the server log of that run (default: sglang_calibrate.log "
+                                                 "next to the JSON, if there)")
+    ap.add_argument("--refit-out", default=None, help="--refit: write the JSON with the log's waves and the fits here")
+    ap.add_argument("--note", default=None, help="--refit-out: a line on where the measurement ran (kept in fit.note)")
     args = ap.parse_args(argv)
+    if args.refit:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        src = Path(args.refit)
+        if not src.is_file():
+            ap.error(f"--refit: no such file {src}")
+        log_path = Path(args.log) if args.log else src.with_name("sglang_calibrate.log")
+        if args.log and not log_path.is_file():
+            ap.error(f"--log: no such file {log_path}")
+        if not log_path.is_file():
+            log_path = None
+        res = json.loads(src.read_text())
+        fits = fit_and_print(res, str(src), log_path)
+        if args.refit_out:
+            from subprocess import run
+            head = run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+            meta = {"refit": f"scripts/libra_calibrate_h200.py --refit {src.name}"
+                             + (f" --log {log_path.name}" if log_path else ""), "refit_commit": head or None}
+            if args.note:
+                meta["note"] = args.note
+            write_refit(res, fits, Path(args.refit_out), meta)
+            print(f"wrote {args.refit_out}")
+        return 0
     try:
         batches, contexts = parse_ints(args.batches), parse_ints(args.contexts)
     except ValueError:
@@ -366,7 +477,11 @@ def main(argv=None) -> int:
         if server is not None:
             deadline.phase("sglang stop")
             server.stop()
-    fit_and_print(res, str(json_path))
+    log_path = out / "sglang_calibrate.log" if server is not None else None
+    if log_path is not None and not log_path.is_file():
+        log_path = None
+    fit_and_print(res, str(json_path), log_path)       # adds the log's decode waves to res
+    write_json(json_path, res)
     deadline.phase("end")
     return 0
 

@@ -355,3 +355,130 @@ def test_rollout_fit_with_context_recovers_the_terms(tmp_path):
     assert pre == 5e4 and len(loaded) == 9
     with pytest.raises(ValueError, match="at least 3"):
         costs.fit_rollout_cost(pts[:2], fit_context=True)
+
+
+# -- the H200 calibration of 2026-12-02 (docs/benchmarks/libra_calibration_h200.json) -------------
+# (batch, prompt, t_short_s, t_long_s) of `scripts/libra_calibrate_h200.py` on SGLang 0.5.17 (CUDA
+# graphs, small-moe, 16 / 144 new tokens): decode tokens/s = B x 128 / (t_long - t_short) at context
+# prompt + 80. B=128 x 8K and B=64 x 16K are prefill-dominated (their short wave is 1-3 s of
+# prefill that varied by more than the 0.3 s decode difference); B=128 x 16K ran its long wave faster.
+H200_ROWS = [(1, 1024, 0.057296, 0.357224), (16, 1024, 0.161539, 0.505315), (64, 1024, 0.388449, 0.735217),
+             (128, 1024, 0.620126, 1.047651), (128, 8192, 3.046383, 3.336566), (64, 8192, 1.456201, 1.780539),
+             (16, 8192, 0.408620, 0.727395), (1, 8192, 0.076916, 0.363880), (128, 16384, 4.985285, 4.899814),
+             (64, 16384, 1.999255, 3.264657), (16, 16384, 0.770911, 1.139334), (1, 16384, 0.100148, 0.427133)]
+H200_LOG = """\
+[2026-12-02 16:36:20] max_total_num_tokens=40867151, chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=4096, context_len=32768, available_gpu_mem=24.49 GB
+[2026-12-02 16:36:54] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, full token usage: 0.03, mamba usage: 0.01, #running-req: 63, #queue-req: 0, #pending-token: 0, cuda graph: True, input throughput (token/s): 1004468.86
+[2026-12-02 16:36:54] Decode batch, #running-req: 64, #full token: 1049976, full token usage: 0.03, mamba num: 256, mamba usage: 0.01, cuda graph: True, gen throughput (token/s): 535.81, #queue-req: 0
+[2026-12-02 16:36:54] Decode batch, #running-req: 64, #full token: 1052536, full token usage: 0.03, mamba num: 256, mamba usage: 0.01, cuda graph: True, gen throughput (token/s): 20889.38, #queue-req: 0
+[2026-12-02 16:36:54] Decode batch, #running-req: 64, #full token: 1055096, full token usage: 0.03, mamba num: 256, mamba usage: 0.01, cuda graph: True, gen throughput (token/s): 19722.42, #queue-req: 0
+[2026-12-02 16:36:55] Decode batch, #running-req: 64, #full token: 1057656, full token usage: 0.03, mamba num: 256, mamba usage: 0.01, cuda graph: True, gen throughput (token/s): 20815.40, #queue-req: 0
+[2026-12-02 16:36:55] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, full token usage: 0.00, mamba usage: 0.00, #running-req: 4, #queue-req: 11, #pending-token: 188416, cuda graph: True, input throughput (token/s): 373914.96
+[2026-12-02 16:36:57] Decode batch, #running-req: 1, #full token: 16406, full token usage: 0.00, mamba num: 4, mamba usage: 0.00, cuda graph: True, gen throughput (token/s): 342.08, #queue-req: 0
+[2026-12-02 16:36:57] Decode batch, #running-req: 1, #full token: 16446, full token usage: 0.00, mamba num: 4, mamba usage: 0.00, cuda graph: True, gen throughput (token/s): 386.81, #queue-req: 0
+[2026-12-02 16:36:57] Decode batch, #running-req: 1, #full token: 16486, full token usage: 0.00, mamba num: 4, mamba usage: 0.00, cuda graph: True, gen throughput (token/s): 414.81, #queue-req: 0
+[2026-12-02 16:36:57] Decode batch, #running-req: 1, #full token: 16526, full token usage: 0.00, mamba num: 4, mamba usage: 0.00, cuda graph: True, gen throughput (token/s): 421.92, #queue-req: 0
+"""
+
+
+def _h200_result(max_total_num_tokens=40867151):
+    rows, points = [], []
+    for B, L, ts, tl in H200_ROWS:
+        tps = B * 128 / (tl - ts) if tl > ts else float("nan")
+        rows.append({"batch": B, "prompt": L, "t_short_s": ts, "t_long_s": tl, "decode_tok_s": tps, "ctx": L + 80.0})
+        if tps > 0:
+            points.append([B, L + 80.0, tps])
+    return {"short": 16, "long": 144, "points": points, "rows": rows, "prefill_tok_s": 337514.56,
+            "server_info": {"max_total_num_tokens": max_total_num_tokens,
+                            "memory_usage": {"kvcache": 58.461, "token_capacity": 40867151}}}
+
+
+def test_nnls_is_exact_against_scipy():
+    from scipy.optimize import nnls as scipy_nnls
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        A, y = rng.normal(size=(9, 3)), rng.normal(size=9)
+        x = costs.nnls(A, y)
+        assert (x >= 0).all()
+        ref = scipy_nnls(A, y)[0]
+        assert np.linalg.norm(A @ x - y) == pytest.approx(np.linalg.norm(A @ ref - y), rel=1e-9, abs=1e-12)
+
+
+def test_h200_calibration_points_fit_physically():
+    """The H200 grid's 11 points made the unconstrained 3-term fit fail (a=0.0026, b=-1.2e-5,
+    c=4.1e-9: "non-physical terms"); screened + NNLS it fits, and the two bad points are named."""
+    res = _h200_result()
+    assert len(res["points"]) == 11
+    rc = costs.fit_rollout_cost(res["points"], fit_context=True, prefill_tok_s=res["prefill_tok_s"])
+    assert 2.2e-3 < rc.a_s < 2.7e-3 and 0 <= rc.b_s < 2e-5 and rc.c_s >= 0
+    dropped = {(d["batch"], d["ctx"]): d["reason"] for d in rc.fit["dropped"]}
+    assert dropped.keys() == {(128, 8272.0), (64, 16464.0)}
+    assert dropped[(128, 8272.0)].startswith("non-monotone") and dropped[(64, 16464.0)].startswith("outlier")
+    assert rc.fit["max_abs_rel_residual"] < 0.2
+    # the server log's decode-only rate of B=64 x 16K (20.5K tokens/s) within 15%; the short/long
+    # difference said 6.5K
+    assert rc.tokens_per_s(64, 16466) == pytest.approx(20462, rel=0.15)
+    # unscreened, NNLS alone still gives non-negative terms (the constraint binds: b = 0 or c = 0)
+    raw = costs.fit_rollout_cost(res["points"], fit_context=True, prefill_tok_s=1.0, robust=False)
+    assert min(raw.a_s, raw.b_s, raw.c_s) >= 0 and raw.fit["at_bound"]
+
+
+def test_h200_calibration_rows_screened():
+    pts, dropped = costs.screen_calibration_rows(_h200_result())
+    why = {(d["batch"], d["prompt"]): d["reason"] for d in dropped}
+    assert why.keys() == {(128, 16384), (128, 8192)} and len(pts) == 10
+    assert why[(128, 16384)].startswith("no decode rate") and why[(128, 8192)].startswith("prefill-dominated")
+    # a KV pool smaller than B x (prompt + long) tokens: those waves queue, not decode
+    _, dropped = costs.screen_calibration_rows(_h200_result(max_total_num_tokens=1_000_000))
+    kv = {(d["batch"], d["prompt"]) for d in dropped if d["reason"].startswith("KV pool")}
+    assert kv == {(128, 8192), (64, 16384)}                          # 1.07M and 1.06M tokens > 1M
+    assert costs.measured_kv_bytes_per_token(_h200_result()) == 1536.0    # 3 attention layers x K,V x 2 x 64 x bf16
+
+
+def test_decode_waves_from_the_sglang_log():
+    waves, cap = costs.decode_waves_from_log(H200_LOG)
+    assert cap == {"max_total_num_tokens": 40867151, "max_running_requests": 4096}
+    # the first decode line after a prefill covers the prefill: left out; then one wave per batch
+    assert [(w["batch"], w["intervals"], w["tokens"]) for w in waves] == [(64, 3, 7680), (1, 3, 120)]
+    secs = 2560 / 20889.38 + 2560 / 19722.42 + 2560 / 20815.40
+    assert waves[0]["tok_s"] == pytest.approx(7680 / secs, rel=1e-4)
+    assert waves[0]["ctx"] == pytest.approx((1049976 + 1057656) / 2 / 64, abs=0.1)
+    assert waves[1]["tok_s"] == pytest.approx(120 / (40 / 386.81 + 40 / 414.81 + 40 / 421.92), rel=1e-4)
+
+
+def test_committed_h200_calibration_and_the_simulated_model():
+    rc = costs.rollout_cost_from_calibration(costs.BENCH / "libra_calibration_h200.json")
+    f = rc.fit
+    assert f["decode_source"] == "server log decode intervals" and len(f["points"]) == 11
+    assert [(d["batch"], round(d["ctx"])) for d in f["dropped"]] == [(128, 16466)]
+    m = f["measured"]
+    assert 2.2e-3 < m["a_s"] < 2.7e-3 and 0 < m["b_s"] < 2e-5 and 0 <= m["c_s"] < m["c_hbm_floor_s"]
+    assert (rc.a_s, rc.b_s) == (m["a_s"], m["b_s"])
+    # the 1.48B model reads 8x the KV bytes per token: c at least its HBM read floor
+    assert rc.c_s == pytest.approx(max(costs.KV_BYTES_PER_TOKEN_1P5B / costs.HBM_BYTES_PER_S,
+                                       m["c_s"] * costs.KV_BYTES_PER_TOKEN_1P5B / 1536))
+    assert rc.prefill_tok_s == pytest.approx(costs.measured_prefill_tok_s())
+    both = costs.load_calibration(costs.BENCH / "libra_calibration_h200.json", decode_source="waves")
+    assert len(both["points"]) == 10 and len(both["dropped"]) == 2
+
+
+def test_calibrate_script_refit_offline(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "libra_calibrate_h200.py"
+    spec = importlib.util.spec_from_file_location("libra_calibrate_h200", path)
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    (tmp_path / "libra_calibration.json").write_text(json.dumps(_h200_result()))
+    (tmp_path / "sglang_calibrate.log").write_text(H200_LOG)
+    dst = tmp_path / "out.json"
+    dst.write_text(json.dumps({"points": [[1, 1104.0, 39.9]], "rows": [{"batch": 1}], "from": "old"}))
+    assert cal.main(["--refit", str(tmp_path / "libra_calibration.json"), "--refit-out", str(dst)]) == 0
+    out = capsys.readouterr().out
+    assert "waves (short/long wave differences, 9 points kept, 3 dropped)" in out and "non-physical" not in out
+    assert "log" not in json.loads(dst.read_text())["fit"]            # 2 waves in the excerpt: too few for a fit
+    d = json.loads(dst.read_text())
+    assert len(d["log_waves"]) == 2 and d["log_capacity"]["max_running_requests"] == 4096
+    assert d["history"][0]["from"] == "old" and d["fit"]["waves"]["a_s"] > 0
+    assert d["fit"]["simulated_model"]["c_from"] == "HBM floor"

@@ -104,7 +104,7 @@ class Planner:
     rollout: RolloutCost
     train: TrainCost
     gpus: int
-    sync_s: float = 2.57
+    sync_s: float = 0.39            # H200 small-moe export + push, rollout.json (2026-12-02)
     switch_s: float = 10.0
     horizon: int = 3
 

@@ -329,7 +329,7 @@ class SimConfig:
     gpus: int = 16
     steps: int = 20
     staleness: int = 0
-    sync_s: float = 2.57
+    sync_s: float = 0.39            # H200 small-moe export + push, rollout.json (2026-12-02)
     switch_s: float = 10.0
     queue: str = "fcfs"
     long_bucket: int = 0
@@ -439,14 +439,23 @@ def _sync_step_colocated(programs, rcost, tcost, cfg) -> dict:
 def elastic_sync_step(programs: Sequence[Program], rcost: RolloutCost, tcost: TrainCost, cfg: SimConfig, *,
                       low_batch: float | None = None, min_engines: int = 1, first: bool = False) -> dict:
     """One synchronous step on Libra's elastic pool: all GPUs roll out; whenever the running programs
-    would fit on one engine fewer at ``low_batch`` each (default ``a / (8 b)`` of the decode model,
-    ~4: an engine that few requests runs at ~10% of its peak tokens/s, and packing the tail onto
-    fewer engines slows its decode iterations by only ~10%), the least-loaded engine drains and, after
+    would fit on one engine fewer at ``low_batch`` each (default ``a / (8 (b + c x ctx))`` of the
+    decode model, ``ctx`` the running requests' mean context at that moment: that many requests add
+    1/8 of the fixed iteration cost, so packing the tail onto fewer engines slows its decode
+    iterations by ~12%; ~3 with GPU.md's two points, ~5-30 with the H200 calibration's small ``b``
+    as contexts grow 20K-1K; the earlier ``a / (8 b)`` ignored the context term and allowed ~47
+    with the calibration), the least-loaded engine drains and, after
     ``switch_s``, trains the groups already complete (same global batch, gradients accumulated over
     whichever GPUs computed them). At the end the remaining engines switch too; then all-reduce,
     optimizer, weight sync, and (except before the first step) the switch back to rollout."""
-    low = rcost.a_s / rcost.b_s / 8 if low_batch is None else low_batch
     pool = pool_for(rcost, cfg.gpus, cfg)
+
+    def low() -> float:
+        if low_batch is not None:
+            return low_batch
+        ctx = [c for e in pool.active_engines for c in e.ctx]
+        return rcost.a_s / (8 * (rcost.b_s + rcost.c_s * (float(np.mean(ctx)) if ctx else 0.0)))
+
     ids = pool.add_programs(programs, 0.0)
     group_of = {i: programs[k].group for k, i in enumerate(ids)}
     left_in_group: dict[int, int] = {}
@@ -472,7 +481,7 @@ def elastic_sync_step(programs: Sequence[Program], rcost: RolloutCost, tcost: Tr
             comp, mlen = _train_work(by_group[g], tcost)
             releases.append((t, tcost.gpu_seconds(comp, mlen)))
         engines = pool.active_engines
-        if len(engines) > min_engines and active[0] < (len(engines) - 1) * low:
+        if len(engines) > min_engines and active[0] < (len(engines) - 1) * low():
             pool.drain(min(engines, key=lambda e: (e.batch, -e.eid)).eid, t)
 
     pool.on_program_done, pool.on_engine_left = done, joined
