@@ -583,7 +583,9 @@ def bench_overhead(args, workdir, device):
     from megatron_harts.rollout.tokenizer import ByteTokenizer
     from megatron_harts.rollout.types import SamplingParams
 
-    start = _server_factory(args, workdir)
+    every = args.overhead_stream_interval
+    start = _server_factory(args, workdir, state={"engine_args": f"{args.engine_args} --stream-interval {every}"
+                                                  if every > 1 else args.engine_args})
     cfg = RolloutConfig(group_size=4, max_new_tokens=16, max_concurrency=8, seed=0)
     tasks = list(range(4))
     mk = lambda t: make_env("code_repair", int(t), seed=0, max_turns=3)     # noqa: E731
@@ -640,8 +642,9 @@ def bench_overhead(args, workdir, device):
                  "recovery_s": None, "baseline": "HttpEngine.generate (one reply)", "baseline_s": None, "speedup": None,
                  "lost_trajectories": 0, "overhead_pct": statistics.median(pairs_e), "reps": len(pairs_e),
                  "spread": {"overhead_pct_paired": [min(pairs_e), max(pairs_e)]}, "device": device,
-                 "note": "16-token requests with a 64-token prompt, one embedded server, plain and resumable "
-                         "alternated; overhead_pct: median of the paired differences"})
+                 "stream_interval": every,
+                 "note": f"16-token requests with a 64-token prompt, one server (--stream-interval {every}), plain and "
+                         "resumable alternated; overhead_pct: median of the paired differences"})
     for kind in ("engine", "env", "belayer"):
         pairs = [100 * (y - x) / x for x, y in zip(times["plain"], times[kind])]
         b = statistics.median(times[kind])
@@ -652,10 +655,10 @@ def bench_overhead(args, workdir, device):
                      "spread": {"overhead_pct_paired": [min(pairs), max(pairs)],
                                 "rollout_s": [min(times[kind]), max(times[kind])],
                                 "baseline_rollout_s": [min(times["plain"]), max(times["plain"])]},
-                     "device": device, "rollout_s": b,
+                     "device": device, "rollout_s": b, "stream_interval": every,
                      "note": "16 code_repair episodes (tiny steered random model: random shell commands, <= 3 "
-                             "turns, one embedded server), the four variants alternated each round; overhead_pct: "
-                             "median of the paired differences"})
+                             f"turns, one server with --stream-interval {every}), the four variants alternated each "
+                             "round; overhead_pct: median of the paired differences"})
     return rows
 
 
@@ -668,6 +671,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cold-reps", type=int, default=3)
     p.add_argument("--overhead-reps", type=int, default=4)
+    p.add_argument("--overhead-stream-interval", type=int, default=8,
+                   help="overhead part: the server's --stream-interval (tokens per streamed event; 1: an event per "
+                        "token, the setting of the rows recorded before 2026-12-02 18:00)")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows already in --out of the other parts, and those of another device kind (CPU / "
                         "GPU) of any part")

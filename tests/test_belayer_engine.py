@@ -176,6 +176,42 @@ def test_a_shadow_that_misses_a_weight_update_is_never_promoted(tmp_path):
         s.close()
 
 
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_stream_interval_sends_chunks_and_a_kill_mid_chunk_still_resumes_exactly(tmp_path, incremental):
+    """``--stream-interval 7``: every streamed event but the last carries exactly 7 new tokens (in
+    both SSE forms); a server SIGKILLed while a request streams loses the tokens it generated after
+    its last event (up to 6), which the resumed request regenerates from the logged prefix, a whole
+    number of events: the final tokens and log-probs equal the uninterrupted generation's."""
+    every = 7
+    ck = make_tiny_checkpoint(tmp_path / "ckpt", call_prob=0.15, eos_prob=0.02)
+    flags = ["--enable-deterministic-inference", "--stream-interval", str(every)]
+    flags += ["--incremental-streaming-output"] if incremental else []
+
+    def start(path, version):
+        return EmbeddedServer(path, weight_version=version, threads=1, extra_args=flags,
+                              log_path=str(tmp_path / f"engine-{time.time_ns()}.log")).start()
+
+    s = Supervisor(start, ck["path"], "v0", num_active=1, num_shadows=1, health_interval_s=0.25).start()
+    try:
+        sp, ref = _long_request(s)
+        pieces = []
+        g = s.engine(0).generate_stream(PROMPT, sp, on_tokens=lambda ids, lps: pieces.append(len(ids)))
+        assert g.output_ids == ref.output_ids and g.logprobs == ref.logprobs
+        assert pieces[:-1] == [every] * (len(pieces) - 1) and 1 <= pieces[-1] <= every, pieces
+        eng = ResumableEngine(s, 0)
+        victim = s.worker(0)
+        gen, rec, (ids0, lps0), _ = _run_and_fault(eng, sp, "chunked", lambda: kill_server(victim.server),
+                                                   at_tokens=2 * every)
+        assert len(ids0) % every == 0                          # the log holds whole events only
+        assert rec.segments[0].error and len(rec.segments) == 2
+        assert rec.segments[1].offset % every == 0 and rec.segments[1].offset >= len(ids0)
+        assert gen.output_ids == ref.output_ids                # nothing lost, nothing changed
+        assert gen.output_ids[:len(ids0)] == ids0 and gen.logprobs[:len(lps0)] == lps0
+        assert max(abs(a - b) for a, b in zip(gen.logprobs, ref.logprobs)) < 1e-4
+    finally:
+        s.close()
+
+
 # --------------------------------------------------------------------------- the fault suite
 TASKS = list(range(6))
 CFG = RolloutConfig(group_size=4, max_new_tokens=12, max_concurrency=8, seed=0)

@@ -182,6 +182,32 @@ def test_checkpoint_policy_overlaps_skips_unchanged_and_goes_inline():
         env.close()
 
 
+def test_state_copies_share_only_unchanged_immutable_attributes():
+    """The checkpoint's state copy skips the deep copy of an attribute whose deep copy was the
+    object itself while the attribute still holds it; anything mutable, or reassigned, is copied."""
+    env = CheckpointedEnv(_make)
+    try:
+        inner = env.env
+        assert env.checkpoints[0].state["_expected"] is inner._expected      # immutable: shared
+        inner.calls.append("x")
+        inner.extra = (1, [2])                       # a tuple holding a list: not immutable
+        inner.consts = (1, ("a", 2.5))
+        s1 = env._state()
+        inner.calls.append("y")
+        inner.extra[1].append(3)
+        s2 = env._state()
+        assert s1["calls"] == ["x"] and s2["calls"] == ["x", "y"] and s1["calls"] is not inner.calls
+        assert s1["extra"] == (1, [2]) and s2["extra"] == (1, [2, 3]) and s2["extra"] is not inner.extra
+        assert s1["consts"] is inner.consts and s2["consts"] is inner.consts
+        inner.consts = (2, ("b", 0.5))               # reassigned: the new value, not the old one
+        assert env._state()["consts"] == (2, ("b", 0.5))
+        env.step(ACTIONS[1])
+        env.restore(0)                               # a restore brings the copied values back
+        assert env.env.calls == [] and env.env._expected is inner._expected
+    finally:
+        env.close()
+
+
 def test_baseline_recreate_and_replay_reaches_the_same_state(reference):
     env = CheckpointedEnv(_make)
     try:

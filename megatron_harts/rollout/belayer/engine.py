@@ -24,7 +24,12 @@ Pieces (each behind the :class:`~megatron_harts.rollout.types.Engine` protocol o
   ``max_new_tokens = budget - generated``: the KV cache is rebuilt by one prefill and no generated
   token (or its log-prob) is lost or changed. With the engines' deterministic sampling (SGLang's
   and the embedded engine's ``--enable-deterministic-inference``: draws keyed by seed and token
-  position) the continuation is the one the dead worker would have produced.
+  position) the continuation is the one the dead worker would have produced. With a server
+  ``--stream-interval N`` (SGLang's flag; the embedded server's too) the log grows by whole events
+  of N tokens: the up to N - 1 tokens a dead worker generated after its last event were never
+  logged and are generated again by the resumed request (the same ones with deterministic
+  sampling); nothing logged is lost or changed. N > 1 removes most of the per-token cost of
+  streaming (docs/belayer.md, "Stream interval").
 
 Times are ``time.monotonic()`` seconds; token ids are the engine's vocabulary.
 """

@@ -157,6 +157,7 @@ class CheckpointedEnv:
         self._last_step_end: float | None = None
         self._thread: threading.Thread | None = None
         self._suspects: set[tuple] = set()      # (turn, action, why, observation) seen once
+        self._frozen: dict[str, Any] = {}          # attributes whose deep copy is themselves (see _state)
         self._checkpoint("initial" if not self.actions else "inline")
 
     # -- Environment protocol ---------------------------------------------------------------------
@@ -239,7 +240,23 @@ class CheckpointedEnv:
         return new if old is None else (1 - self.policy.ema) * old + self.policy.ema * new
 
     def _state(self) -> dict:
-        return {k: copy.deepcopy(v) for k, v in self.env.__dict__.items() if k != "sandbox"}
+        """The env's attributes, deep-copied. An attribute whose deep copy was the object itself
+        (immutable for ``deepcopy``: atomic values, tuples of them, functions) is not copied again
+        while the attribute still holds that very object: the task's constants (e.g. code_repair's
+        expected outcomes, ~0.1 ms per copy) are walked once per episode, not once per checkpoint."""
+        out, frozen = {}, self._frozen
+        for k, v in self.env.__dict__.items():
+            if k == "sandbox":
+                continue
+            if k in frozen and frozen[k] is v:
+                out[k] = v
+                continue
+            c = out[k] = copy.deepcopy(v)
+            if c is v:
+                frozen[k] = v
+            else:
+                frozen.pop(k, None)
+        return out
 
     def _after_step(self, res: StepResult) -> None:
         if res.done or not self.policy.enabled:

@@ -32,13 +32,15 @@ nothing on the CPU); ``/flush_cache`` is a no-op (there is no prefix cache: ``ca
 always 0).
 
 Streaming (``"stream": true``, as SGLang): the reply is ``text/event-stream`` (chunked), one
-``data: {JSON}`` event per new token with the reply's shape so far (cumulative ``output_ids`` and
-``output_token_logprobs``, ``finish_reason`` null until the last event, as SGLang without
-``--incremental-streaming-output``), then ``data: [DONE]``; a client that disconnects aborts its
-request. ``--enable-deterministic-inference`` (as SGLang's flag of that name): a seeded request
-draws the token at absolute position ``p`` (0-based index in prompt + output) from a generator
-seeded by ``(sampling_seed, p)``, so the same seed and context give the same token wherever the
-request starts: a request resumed from ``prompt + generated`` continues exactly as the
+``data: {JSON}`` event per ``--stream-interval`` new tokens (SGLang's flag: default 1, an event
+per token; with N the events carry N tokens each, the last one the rest) with the reply's shape so
+far (cumulative ``output_ids`` and ``output_token_logprobs``, ``finish_reason`` null until the last
+event, as SGLang without ``--incremental-streaming-output``; with that flag each event carries only
+its new tokens and log-probs, ``completion_tokens`` the total so far), then ``data: [DONE]``; a
+client that disconnects aborts its request. ``--enable-deterministic-inference`` (as SGLang's
+flag of that name): a seeded request draws the token at absolute position ``p`` (0-based index
+in prompt + output) from a generator seeded by ``(sampling_seed, p)``, so the same seed and
+context give the same token wherever the request starts: a request resumed from ``prompt + generated`` continues exactly as the
 uninterrupted one would (SGLang hashes seed and position the same way in that mode).
 
 The Qwen3-Next modeling code of transformers picks fla's Triton kernels (GPU only) whenever
@@ -101,7 +103,8 @@ class _Request:
     weight_version: str | None = None
     t0: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
-    tick: threading.Event = field(default_factory=threading.Event)     # set after every new token
+    tick: threading.Event = field(default_factory=threading.Event)     # set every stream_interval tokens
+    stream_interval: int = 1             # tokens per streamed event (the server's --stream-interval)
 
 
 @dataclass
@@ -117,12 +120,19 @@ class EmbeddedEngine:
     """The model, the request queue and the scheduler thread (no HTTP here).
 
     ``model_path``: a local Hugging Face checkpoint directory; ``weight_version``: its tag;
-    ``threads``: torch intra-op threads.
+    ``threads``: torch intra-op threads; ``stream_interval``: tokens per streamed event;
+    ``incremental_stream``: streamed events carry only their new tokens (else cumulative).
     """
 
     def __init__(self, model_path: str, weight_version: str | None = None, threads: int | None = None,
-                 speculative=None, deterministic: bool = False):
+                 speculative=None, deterministic: bool = False, stream_interval: int = 1,
+                 incremental_stream: bool = False):
         import torch
+
+        if int(stream_interval) < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = int(stream_interval)
+        self.incremental_stream = bool(incremental_stream)
 
         # ``speculative``: a ``war.speculative.SpecConfig`` -> lossless suffix speculation (WAR)
         self.spec = None
@@ -265,7 +275,7 @@ class EmbeddedEngine:
         return _Request(rid=rid, input_ids=ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
                         top_k=top_k, stop_ids=stop, seed=None if seed is None else int(seed),
                         return_logprob=bool(body.get("return_logprob")),
-                        speculative=bool(body.get("speculative", True)))
+                        speculative=bool(body.get("speculative", True)), stream_interval=self.stream_interval)
 
     def submit(self, req: _Request) -> None:
         with self._cv:
@@ -275,20 +285,23 @@ class EmbeddedEngine:
             self._queue.append(req)
             self._cv.notify_all()
 
-    def result(self, req: _Request, n: int | None = None) -> dict:
+    def result(self, req: _Request, n: int | None = None, start: int = 0) -> dict:
         """SGLang's ``/generate`` reply for a finished request; with ``n``: a streaming event with
-        the first ``n`` output tokens (``finish_reason`` null unless the request is done)."""
-        out = list(req.output_ids if n is None else req.output_ids[:n])
+        the first ``n`` output tokens (``finish_reason`` null unless the request is done), or with
+        ``start`` only tokens ``start..n-1`` (incremental streaming; ``completion_tokens`` stays
+        ``n``)."""
+        out = list(req.output_ids if n is None else req.output_ids[start:n])
         finish = req.finish if n is None or req.done.is_set() else None
         meta = {"id": req.rid, "finish_reason": finish, "prompt_tokens": len(req.input_ids),
                 "weight_version": req.weight_version if req.done.is_set() else self.weight_version,
-                "completion_tokens": len(out), "cached_tokens": 0, "e2e_latency": time.perf_counter() - req.t0}
+                "completion_tokens": len(out) if n is None else n, "cached_tokens": 0,
+                "e2e_latency": time.perf_counter() - req.t0}
         if req.spec_steps:                    # SGLang's names for speculative requests
             meta["spec_verify_ct"] = req.spec_steps
             meta["spec_accept_length"] = len(req.output_ids) / req.spec_steps
         if req.return_logprob:
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, out)]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs[start:], out)]
             meta["output_token_logprobs_length"] = len(out)
         return {"text": "", "output_ids": out, "meta_info": meta}
 
@@ -450,7 +463,8 @@ class EmbeddedEngine:
             if lp is not None:            # log-prob first: a streaming reader takes min(len) of both
                 req.logprobs.append(lp)
             req.output_ids.append(tok)
-            req.tick.set()
+            if len(req.output_ids) % req.stream_interval == 0:   # wake a streaming reader once per event
+                req.tick.set()
             self.tokens_generated += 1
             if len(req.output_ids) < req.max_new_tokens and tok not in req.stop_ids:
                 logits, cache = self._forward([tok], cache)
@@ -552,9 +566,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _stream(self, req: _Request) -> None:
-        """Server-sent events, one per new token (cumulative, SGLang's default), then ``[DONE]``;
-        an error ends the stream with ``data: {"error": ...}``; a vanished client aborts ``req``."""
+        """Server-sent events, one per ``stream_interval`` new tokens (cumulative, SGLang's default,
+        or only the new ones with ``incremental_stream``), then ``[DONE]``; an error ends the stream
+        with ``data: {"error": ...}``; a vanished client aborts ``req``."""
         eng = self.engine
+        every, incremental = req.stream_interval, eng.incremental_stream
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -571,8 +587,11 @@ class _Handler(BaseHTTPRequestHandler):
                     self._chunk(b"data: " + json.dumps({"error": {"message": req.finish["message"]}}).encode()
                                 + b"\n\n")
                     break
+                if not done:                      # whole events of `every` tokens until the end
+                    n = sent + (n - sent) // every * every
                 if n > sent or done:
-                    self._chunk(b"data: " + json.dumps(eng.result(req, n)).encode() + b"\n\n")
+                    ev = eng.result(req, n, start=sent if incremental else 0)
+                    self._chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")
                     sent = n
                 if done:
                     break
@@ -737,6 +756,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="seeded sampling keyed by (sampling_seed, token position), as SGLang's flag")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed event (as SGLang's flag; default 1: an event per token)")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="streamed events carry only their new tokens (as SGLang's flag; default: cumulative)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-algorithm", default=None, choices=["suffix"],
                    help="WAR: lossless suffix speculation over completed trajectories (default: off)")
@@ -758,8 +781,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from ..war.speculative import SpecConfig
         spec = SpecConfig(budget=args.speculative_num_draft_tokens, feed=args.speculative_corpus)
+    if args.stream_interval < 1:
+        log.error("--stream-interval must be >= 1, got %d", args.stream_interval)
+        return 2
     engine = EmbeddedEngine(args.model_path, args.weight_version, args.threads, speculative=spec,
-                            deterministic=args.enable_deterministic_inference)
+                            deterministic=args.enable_deterministic_inference, stream_interval=args.stream_interval,
+                            incremental_stream=args.incremental_streaming_output)
     httpd = serve(engine, args.host, args.port)
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, httpd), daemon=True).start()
