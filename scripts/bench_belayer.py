@@ -170,58 +170,15 @@ def _reap(registry):
                 pass
 
 
-def _proc_children(pid):
-    """Child pids of ``pid`` from ``/proc/*/stat`` (``/proc/PID/task/*/children`` is missing on
-    some kernels and sandboxes, e.g. gVisor)."""
-    kids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(d))
-        except (OSError, ValueError, IndexError):
-            continue
-    return sorted(kids)
-
-
-def _proc_text(pid, name):
-    try:
-        return Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _sglang_scheduler(server):
-    """(pid, how found) of the SGLang server's scheduler process, or (None, why not). SGLang's
-    launch_server spawns (multiprocessing, spawn) the scheduler first, then the detokenizer; the
-    spawn start launches multiprocessing's resource tracker before either, so "the first child"
-    is the resource tracker, not the scheduler. The scheduler calls itself ``sglang::scheduler``
-    (setproctitle)."""
-    kids = _proc_children(server.proc.pid)
-    for pid in kids:
-        if _proc_text(pid, "cmdline").startswith("sglang::scheduler") or \
-                _proc_text(pid, "comm").startswith("sglang::schedul"):
-            return pid, "sglang::scheduler"
-    spawned = [pid for pid in kids if "spawn_main" in _proc_text(pid, "cmdline")]
-    if spawned:
-        return spawned[0], "first multiprocessing child (no process title)"
-    return None, f"no scheduler among children {kids}"
-
-
 def _kill(args, sup, target):
-    """SIGKILL the active worker: its process group, or only SGLang's scheduler child. Returns
-    (time of the kill, what was killed)."""
-    from megatron_harts.rollout.belayer.faults import kill_server
+    """SIGKILL the active worker: its process group, or only SGLang's scheduler child (found by its
+    process title, ``faults.kill_server``). Returns (time of the kill, what was killed)."""
+    from megatron_harts.rollout.belayer.faults import SCHEDULER_TITLES, kill_server
+    from megatron_harts.rollout.engines.launch import find_children
 
     server = sup.worker(0).server
-    if target == "child" and args.engine == "sglang":
-        pid, how = _sglang_scheduler(server)
-        if pid is not None:
-            os.kill(pid, signal.SIGKILL)
-            return time.monotonic(), f"scheduler pid {pid} ({how})"
-        log.warning("--kill child: %s; killing the process group instead", how)
+    if target == "child" and args.engine == "sglang" and not find_children(server.proc.pid, SCHEDULER_TITLES):
+        log.warning("--kill child: no sglang::scheduler among the server's children; killing the process group instead")
         target = "group"
     f = kill_server(server, target)
     return f.t, f"{f.target}{'' if f.landed else ' (did not land)'}"
@@ -320,7 +277,7 @@ def bench_engine(args, workdir, device, save=None):
     step needs one, a shadow (started in the background after each kill; a cold step has none).
     ``save(rows, detail, meta)`` is called after every step. Returns (rows, detail, meta)."""
     from megatron_harts.rollout.belayer import ResumableEngine, Supervisor
-    from megatron_harts.rollout.types import EngineError, SamplingParams
+    from megatron_harts.rollout.types import SamplingParams
 
     steps = _plan(args)
     t0 = time.monotonic()

@@ -88,15 +88,9 @@ def static_oracle_rows(args, rc, tc, cases) -> list[dict]:
     for setting, gpus, k in cases:
         w = workload.WorkloadConfig(steps=args.steps, groups=2 * gpus, **SETTINGS[setting])
         cfg = sim.SimConfig(gpus=gpus, steps=args.steps, staleness=k, sync_s=args.sync_s, switch_s=args.switch_s)
-        tune = sim.tune_static_split
-        tuned_r = tune(workload.step_batch(w, 0), rc, tc, cfg)
-        res = {}
-        try:
-            for r in sorted(set(list(range(1, gpus, max(1, gpus // 16))) + [gpus - 1])):
-                sim.tune_static_split = lambda *a, r=r, **kw: r
-                res[r] = sim.run_policy("static", w, cfg, rc, tc)["throughput"]
-        finally:
-            sim.tune_static_split = tune
+        tuned_r = sim.tune_static_split(workload.step_batch(w, 0), rc, tc, cfg)
+        res = {r: sim.run_policy("static", w, replace(cfg, static_split=r), rc, tc)["throughput"]
+               for r in sorted(set(list(range(1, gpus, max(1, gpus // 16))) + [gpus - 1]))}
         libra = sim.run_policy("libra", w, cfg, rc, tc)["throughput"]
         best = max(res, key=res.get)
         out.append({"setting": setting, "gpus": gpus, "k": k, "static_tuned_r": tuned_r, "tuned": round(res[tuned_r]),

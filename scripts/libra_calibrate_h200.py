@@ -397,7 +397,12 @@ def main(argv=None) -> int:
             ap.error(f"--log: no such file {log_path}")
         if not log_path.is_file():
             log_path = None
-        res = json.loads(src.read_text())
+        try:
+            res = json.loads(src.read_text())
+        except json.JSONDecodeError as e:
+            ap.error(f"--refit: {src}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})")
+        if not isinstance(res, dict) or not isinstance(res.get("rows", res.get("points")), list):
+            ap.error(f"--refit: {src}: no 'rows' / 'points' list (not a libra_calibration.json)")
         fits = fit_and_print(res, str(src), log_path)
         if args.refit_out:
             from subprocess import run

@@ -324,7 +324,8 @@ class SimConfig:
     GPU (ASSUMPTION, never measured on the H200); ``staleness``: 0 = synchronous RL, k >= 1 =
     bounded-staleness asynchronous RL; ``queue``: the queue policy name; ``long_bucket``: GPUs of the
     rollout pool set up for long contexts (C-MLFQ routes to them; other policies use them as
-    ordinary engines)."""
+    ordinary engines); ``static_split``: rollout GPUs of the static split (and the starting split of
+    the others), None: tuned on step 0 (:func:`tune_static_split`)."""
 
     gpus: int = 16
     steps: int = 20
@@ -336,6 +337,7 @@ class SimConfig:
     pred_sigma: float = 0.5
     tail_overprovision: float = 0.25
     seed: int = 0
+    static_split: int | None = None
 
 
 def pool_for(rcost: RolloutCost, n: int, cfg: SimConfig, queue: str | None = None) -> EnginePool:
@@ -398,6 +400,11 @@ def _train_work(programs: Sequence[Program], tcost: TrainCost) -> tuple[float, f
 
 def _comm_s(tcost: TrainCost, gpus: int) -> float:
     return tcost.step_s(0.0, 1.0, gpus)                # all-reduce + optimizer only
+
+
+def _static_split(programs, rcost, tcost, cfg) -> int:
+    """``cfg.static_split`` when given, else :func:`tune_static_split`."""
+    return cfg.static_split if cfg.static_split is not None else tune_static_split(programs, rcost, tcost, cfg)
 
 
 def tune_static_split(programs: Sequence[Program], rcost: RolloutCost, tcost: TrainCost, cfg: SimConfig) -> int:
@@ -566,7 +573,7 @@ def run_sync(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCo
     """Synchronous RL (``cfg.staleness == 0``) for ``cfg.steps`` steps; returns per-step rows and totals."""
     rows, deferred = [], []
     state: dict = {}
-    r0 = tune_static_split(step_batch(wcfg, 0), rcost, tcost, cfg) if policy in ("static", "tail") else cfg.gpus
+    r0 = _static_split(step_batch(wcfg, 0), rcost, tcost, cfg) if policy in ("static", "tail") else cfg.gpus
     over = int(round(wcfg.groups * (1 + cfg.tail_overprovision)))
     for s in range(cfg.steps):
         if policy == "tail":
@@ -614,7 +621,7 @@ def run_async(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutC
     if k < 1:
         raise ValueError("run_async needs staleness >= 1")
     batches = [step_batch(wcfg, s, group_offset=s * wcfg.groups) for s in range(cfg.steps)]
-    r = tune_static_split(batches[0], rcost, tcost, cfg)
+    r = _static_split(batches[0], rcost, tcost, cfg)
     pool = pool_for(rcost, r, cfg)
     # training GPUs: times from which each is available to the trainer
     trainers = [0.0] * (n - r)
