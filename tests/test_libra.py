@@ -1,6 +1,7 @@
 """Libra: cost-model fits, the length estimator, the planner, C-MLFQ's rules and the simulator on
 cases with closed-form answers."""
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -482,3 +483,16 @@ def test_calibrate_script_refit_offline(tmp_path, capsys):
     assert len(d["log_waves"]) == 2 and d["log_capacity"]["max_running_requests"] == 4096
     assert d["history"][0]["from"] == "old" and d["fit"]["waves"]["a_s"] > 0
     assert d["fit"]["simulated_model"]["c_from"] == "HBM floor"
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_static_split_override_is_the_split_used(staleness):
+    """``SimConfig.static_split`` replaces the step-0 tuning: the tuned value gives the tuned run,
+    another value a different run (the hindsight split of bench_libra --static-oracle)."""
+    w, _, rc, tc = _small()
+    cfg = sim.SimConfig(gpus=4, steps=3, sync_s=1.0, switch_s=2.0, staleness=staleness)
+    tuned = sim.tune_static_split(workload.step_batch(w, 0), rc, tc, cfg)
+    base = sim.run_policy("static", w, cfg, rc, tc)["total_s"]
+    assert sim.run_policy("static", w, replace(cfg, static_split=tuned), rc, tc)["total_s"] == base
+    other = [r for r in (1, 2, 3) if r != tuned]
+    assert any(sim.run_policy("static", w, replace(cfg, static_split=r), rc, tc)["total_s"] != base for r in other)
