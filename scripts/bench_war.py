@@ -451,7 +451,7 @@ def part_h200(args, sink) -> None:
              f"export PATH=/tmp/bw/usr/bin:$PATH)")
     args.max_context = min(4096, int(hf.get("max_position_embeddings") or 4096))
     policies = list(args.policies)
-    bad = [p for p in policies if p not in ("war", "sticky", "round_robin", "cache_aware", "power_of_two")]
+    bad = [p for p in policies if p not in ("war", "war_open", "sticky", "round_robin", "cache_aware", "power_of_two")]
     if bad:
         fail(f"--policies: unknown policy {bad[0]!r}")
     variants = [v for v in args.low_variants.split(",") if v]
@@ -520,6 +520,8 @@ def part_h200(args, sink) -> None:
         return 200.0 if not starts else (1.15 * max(starts[1:]) + 3 if starts[1:] else warm_start)
 
     def est_starts(k: int) -> float:
+        if args.parallel_start:
+            return est_start() if k else 0.0
         return k * est_start() if starts or k == 0 else 200.0 + (k - 1) * warm_start
 
     def est(steps: list[float], default: float) -> float:
@@ -528,9 +530,9 @@ def part_h200(args, sink) -> None:
     def timeout() -> float:                 # an engine call never outlives the deadline by much
         return max(60.0, min(1800.0, clock.left() + 30))
 
-    def server(extra: list[str], name: str, feed: Path | None = None) -> SGLangServer:
+    def server(extra: list[str], name: str, feed: Path | None = None, mem: float | None = None) -> SGLangServer:
         e = dict(env, **({CORPUS_ENV: str(feed)} if feed is not None else {}))
-        srv = SGLangServer(args.model_path, mem_fraction_static=frac, extra_args=common + extra, env=e,
+        srv = SGLangServer(args.model_path, mem_fraction_static=mem or frac, extra_args=common + extra, env=e,
                            log_path=str(logs / f"{name}.log"),
                            startup_timeout=max(60.0, min(400.0, clock.left() - 20)))
         clock.phase("starting %s", name)
@@ -604,6 +606,49 @@ def part_h200(args, sink) -> None:
             if srv is not None:
                 srv.stop()
 
+    beside: dict[str, SGLangServer] = {}
+
+    def start_parallel(n_rep: int) -> list[SGLangServer]:
+        """The ``n_rep`` replicas (and, with ``--ngram-beside``, the NGRAM low-load server) started
+        at once: a start is mostly Python imports and kernel JIT on the host (~85 s each seen
+        one after another); every server reserves its own ``--mem-fraction-static`` share."""
+        jobs = [([], f"rep{i}", None, None) for i in range(n_rep)]
+        if args.ngram_beside and "ngram" in variants:
+            jobs.append((spec["ngram"], "low_ngram", None, args.ngram_beside))
+        got: list = [None] * len(jobs)
+
+        def one(i: int) -> None:
+            try:
+                if jobs[i][1] == "low_ngram":
+                    bg[-1].join()                 # SGLang's C++ NgramCorpus, built in the background
+                    if not ngram_state.get("ok"):
+                        raise RuntimeError(f"NgramCorpus JIT build failed: {str(ngram_state.get('error'))[-300:]}")
+                got[i] = server(*jobs[i])
+            except Exception as e:                          # noqa: BLE001
+                got[i] = e
+        ths = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(jobs))]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        errs = [g for g in got if isinstance(g, Exception)]
+        live = [g for g in got if isinstance(g, SGLangServer)]
+        for (_, name, _, _), g in zip(jobs, got):
+            if isinstance(g, Exception):
+                log.warning("%s did not start: %s: %s", name, type(g).__name__, str(g)[:500])
+        if errs and len([g for g in got[:n_rep] if isinstance(g, SGLangServer)]) < min(2, n_rep):
+            for g in live:
+                g.stop()
+            raise errs[0]
+        if len(jobs) > n_rep:
+            if isinstance(got[-1], SGLangServer):
+                beside["ngram"] = got[-1]
+            else:
+                sink.add(dict(tag, load="low", policy="ngram", error=f"start: {type(got[-1]).__name__}: "
+                                                                         f"{str(got[-1])[:1000]}"))
+            variants.remove("ngram")              # measured (or failed) here, not again at the end
+        return [g for g in got[:n_rep] if isinstance(g, SGLangServer)]
+
     def high() -> None:
         conc = args.high_tasks * args.group
         after = (est(steps_high, 60.0) if policies else 0.0) + (2 * est(steps_low, 45.0) if "none" in variants else 0)
@@ -621,14 +666,25 @@ def part_h200(args, sink) -> None:
             clock.phase("deadline: %d replicas instead of %d", n_rep, args.replicas)
         servers = []
         try:
-            for i in range(n_rep):
-                if i >= 2 and clock.left() < est_start() + after:     # the starts ran slower than expected
-                    clock.phase("deadline: %d replicas instead of %d", i, args.replicas)
-                    break
-                servers.append(server([], f"rep{i}"))
+            if args.parallel_start:
+                servers = start_parallel(n_rep)
+            else:
+                for i in range(n_rep):
+                    if i >= 2 and clock.left() < est_start() + after:     # the starts ran slower than expected
+                        clock.phase("deadline: %d replicas instead of %d", i, args.replicas)
+                        break
+                    servers.append(server([], f"rep{i}"))
             wait_bg()
             if "none" in variants:
                 low("none", servers[0], logs / "feed_none.jsonl")
+            if beside.get("ngram") is not None:       # NGRAM's low-load steps while the replicas are idle
+                try:
+                    low("ngram", beside["ngram"], logs / "feed_ngram.jsonl")
+                except Exception as e:                      # noqa: BLE001
+                    log.exception("low ngram failed")
+                    sink.add(dict(tag, load="low", policy="ngram", error=f"{type(e).__name__}: {str(e)[:1500]}"))
+                finally:
+                    beside.pop("ngram").stop()
             # unmeasured: first requests of each replica (kernel autotuning, allocator growth)
             wt = min(args.high_tasks, 2 * len(servers))
             w = _step([s_.engine(timeout=timeout()) for s_ in servers], None, args, wt * args.group, wt, args.group,
@@ -653,7 +709,11 @@ def part_h200(args, sink) -> None:
                         r = _step([s_.engine(timeout=timeout()) for s_ in servers], None, args, conc, args.high_tasks,
                                   args.group, strict=False)
                     else:
-                        sch = WarScheduler(len(servers), SchedulerConfig(max_running=args.max_running,
+                        # the gate is a per-replica share of the admitted turns: with fewer replicas than
+                        # asked for (deadline) each admits proportionally more; war_open: no gate at all
+                        gate = 0 if policy == "war_open" else -(-args.max_running * args.replicas // len(servers))
+                        extra["max_running"] = gate
+                        sch = WarScheduler(len(servers), SchedulerConfig(max_running=gate,
                                                                          expected_decode=args.max_new_tokens,
                                                                          load_weight=args.load_weight,
                                                                          cache_tokens=args.cache_tokens))
@@ -829,6 +889,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-running", type=int, default=0, help="WAR admission gate per replica (0: off)")
     p.add_argument("--load-weight", type=float, default=1.0, help="WAR cost of a queued token")
     p.add_argument("--cache-tokens", type=int, default=400_000, help="WAR prefix model capacity per replica")
+    p.add_argument("--parallel-start", action="store_true",
+                   help="h200: start the high-load replicas at once (default: one after another)")
+    p.add_argument("--ngram-beside", type=float, default=0.0,
+                   help="h200 with --parallel-start: start the NGRAM low-load server with this memory fraction "
+                        "beside the replicas and run its low-load steps before the high-load policies (0: after)")
     p.add_argument("--low-variants", default="suffix,ngram,none",
                    help="h200 low load: speculation variants (suffix = HARTS_SUFFIX, ngram = SGLang NGRAM, none)")
     p.add_argument("--cuda-graph", action="store_true",
