@@ -787,7 +787,9 @@ def plot(rows: list[dict], path: Path) -> None:
     dr = [r for r in rows if r.get("part") == "drafters"]
     ds = [r for r in rows if r.get("part") == "drafters_sampled"]
     cpu = [r for r in rows if r.get("part") == "cpu"]
-    fig, axes = plt.subplots(1, 4 if ds else 3, figsize=(20 if ds else 15, 4.2))
+    hw = [r for r in rows if r.get("part") == "h200" and r.get("tokens_per_s")]
+    n_ax = 3 + bool(ds) + bool(hw)
+    fig, axes = plt.subplots(1, n_ax, figsize=(5 * n_ax, 4.2))
     budgets = sorted({r["budget"] for r in dr})
     methods = list(dict.fromkeys(r["method"] for r in dr))
     w = 0.8 / max(len(methods), 1)
@@ -819,6 +821,13 @@ def plot(rows: list[dict], path: Path) -> None:
                                                                                for r in cpu])
         axes[2].set_xticks(range(len(cpu)), labels, fontsize=7)
         axes[2].set_title("CPU rollout step: generated tokens/s (embedded engine, random model)", fontsize=9)
+    if hw:
+        ax = axes[-1]
+        labels = [f"{r['load']} {r['policy']}\nrun {r.get('run', '1')}" for r in hw]
+        ax.bar(range(len(hw)), [r["tokens_per_s"] for r in hw],
+               color=["C0" if r["load"] == "low" else "C1" for r in hw])
+        ax.set_xticks(range(len(hw)), labels, fontsize=6, rotation=60)
+        ax.set_title("H200 rollout step: generated tokens/s (SGLang 0.5.17, trained text model)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -833,8 +842,8 @@ def tables(rows: list[dict]) -> tuple[str, str]:
                   f"{r['verify_steps']} | {r.get('draft_us_median', float('nan')):.0f} / {r['draft_us_mean']:.0f} / "
                   f"{r['draft_us_p99']:.0f} | {r['index_s']:.1f} | "
                   + ", ".join(f"{v:.2f}" for v in r["accept_len_by_step"].values()) + " |")
-    ro = ["| part | load | concurrency | policy | tokens/s | makespan s | cache hit | accept len | device |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    ro = ["| part | run | load | concurrency | policy | tokens/s | makespan s | cache hit | accept len | device |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r.get("part") in ("cpu", "h200")):
         acc = r.get("accept_len")
         if r.get("spec_accept_len") is not None:       # h200: this step's, then SGLang's lifetime figure
@@ -843,7 +852,8 @@ def tables(rows: list[dict]) -> tuple[str, str]:
         if r.get("failed"):
             note = f"{r['failed']} episodes failed"
         dev = r.get("device", "") + (f"; {note}" if note else "")
-        ro.append(f"| {r['part']} | {r.get('load')} | {r.get('concurrency')} | {r.get('policy')} | "
+        run = r.get("run", "1" if r["part"] == "h200" else "-")
+        ro.append(f"| {r['part']} | {run} | {r.get('load')} | {r.get('concurrency')} | {r.get('policy')} | "
                   f"{r.get('tokens_per_s')} | {r.get('makespan_s')} | {r.get('cache_hit')} | {acc} | {dev} |")
     return "\n".join(dr), "\n".join(ro)
 
@@ -851,8 +861,8 @@ def tables(rows: list[dict]) -> tuple[str, str]:
 def write_md(rows: list[dict], path: Path, command: str) -> None:
     dr, ro = tables(rows)
     path.write_text(
-        "# WAR benchmark\n\nWritten by `scripts/bench_war.py` (see docs/war.md for what the rows mean; the H200 part "
-        "is not run yet).\n\n```\n" + command + "\n```\n\n"
+        "# WAR benchmark\n\nWritten by `scripts/bench_war.py` (see docs/war.md for what the rows mean and for the "
+        "H200 runs' conditions).\n\n```\n" + command + "\n```\n\n"
         "## Drafters, offline replay (CPU, 2 shared cores; latencies noisy)\n\n" + dr +
         "\n\n## Rollout steps\n\n" + ro + "\n\n![war](war.png)\n")
 
@@ -902,6 +912,9 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=0.0,
                    help="h200: wall seconds from the start for the whole run (0: none); phases that would not fit "
                         "are skipped (rows say so), replicas reduced down to 2")
+    p.add_argument("--add-rows", default=None,
+                   help="add the h200 rows of another run's JSON to --out (tagged with --run-tag) and rewrite md/png")
+    p.add_argument("--run-tag", default="2", help="with --add-rows: the added rows' 'run' field")
     p.add_argument("--deadline-grace-s", type=float, default=20.0,
                    help="h200: past the deadline by this much, the servers are killed (a running step then fails)")
     args = p.parse_args(argv)
@@ -927,6 +940,19 @@ def main(argv=None) -> int:
         if old.get("command"):
             command = old["command"] + "; then " + command
     sink = _Sink(out, rows, command)
+    if args.add_rows:                        # another run's h200 rows beside these (its own command kept)
+        if not out.is_file():
+            fail(f"--add-rows needs an existing --out to add to: {out} does not exist")
+        try:
+            extra = json.loads(Path(args.add_rows).read_text())
+            new = [dict(r, run=args.run_tag) for r in extra["rows"] if r.get("part") == "h200"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            fail(f"{args.add_rows}: not a bench_war JSON with a 'rows' list ({type(e).__name__}: {e})")
+        old = json.loads(out.read_text())
+        sink.rows = [r for r in old["rows"] if not (r.get("part") == "h200" and r.get("run") == args.run_tag)] + new
+        sink.command = command = (old.get("command", "") + f"; then (run {args.run_tag}) "
+                                  + extra.get("command", "?")).lstrip("; ")
+        parts = []
 
     def on_term(signum, frame):             # a timeout's SIGTERM: keep the rows, free the GPU
         log.error("signal %d: stopping the servers, keeping %d rows", signum, len(sink.rows))
