@@ -900,7 +900,9 @@ def main(argv=None) -> int:
     p.add_argument("--load-weight", type=float, default=1.0, help="WAR cost of a queued token")
     p.add_argument("--cache-tokens", type=int, default=400_000, help="WAR prefix model capacity per replica")
     p.add_argument("--parallel-start", action="store_true",
-                   help="h200: start the high-load replicas at once (default: one after another)")
+                   help="h200: start the high-load replicas at once (default: one after another). SGLang 0.5.17 sizes "
+                        "a hybrid model's state pool from the memory free when it starts, so servers allocating "
+                        "together undercount each other (2 of 4 failed on the H200); the run goes on with those up")
     p.add_argument("--ngram-beside", type=float, default=0.0,
                    help="h200 with --parallel-start: start the NGRAM low-load server with this memory fraction "
                         "beside the replicas and run its low-load steps before the high-load policies (0: after)")
@@ -950,8 +952,8 @@ def main(argv=None) -> int:
             fail(f"{args.add_rows}: not a bench_war JSON with a 'rows' list ({type(e).__name__}: {e})")
         old = json.loads(out.read_text())
         sink.rows = [r for r in old["rows"] if not (r.get("part") == "h200" and r.get("run") == args.run_tag)] + new
-        sink.command = command = (old.get("command", "") + f"; then (run {args.run_tag}) "
-                                  + extra.get("command", "?")).lstrip("; ")
+        sep = f"; then (run {args.run_tag}) "
+        sink.command = command = (old.get("command", "").split(sep)[0] + sep + extra.get("command", "?")).lstrip("; ")
         parts = []
 
     def on_term(signum, frame):             # a timeout's SIGTERM: keep the rows, free the GPU

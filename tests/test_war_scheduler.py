@@ -258,3 +258,35 @@ def test_bench_script_rejects_bad_input():
                            text=True, timeout=120)
         assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_bench_add_rows_tags_another_runs_h200_rows(tmp_path):
+    """``--add-rows`` appends only the other run's h200 rows, tagged, replaces an earlier add of the
+    same tag, keeps every other row, and names a bad file in one line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
+    out, run2 = tmp_path / "war.json", tmp_path / "run2.json"
+    cpu = dict(part="cpu", load="low", concurrency=4, policy="none", tokens_per_s=1.0, makespan_s=1.0, cache_hit=0.0)
+    h1 = dict(part="h200", load="high", concurrency=256, policy="war", tokens_per_s=2.0, makespan_s=3.0, cache_hit=0.5)
+    out.write_text(json.dumps({"command": "first", "rows": [cpu, h1]}))
+    h2 = dict(h1, tokens_per_s=5.0)
+    run2.write_text(json.dumps({"command": "second", "rows": [dict(cpu, tokens_per_s=9.0), h2]}))
+    for _ in range(2):                      # twice: the second add replaces the first
+        r = subprocess.run([sys.executable, str(script), "--out", str(out), "--add-rows", str(run2), "--run-tag", "2"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert [(x["part"], x.get("run"), x["tokens_per_s"]) for x in d["rows"]] == \
+        [("cpu", None, 1.0), ("h200", None, 2.0), ("h200", "2", 5.0)]
+    assert d["command"] == "first; then (run 2) second"
+    md = out.with_suffix(".md").read_text()
+    assert "| h200 | 2 | high | 256 | war | 5.0 |" in md and "| h200 | 1 | high | 256 | war | 2.0 |" in md
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    r = subprocess.run([sys.executable, str(script), "--out", str(out), "--add-rows", str(bad)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and str(bad) in r.stderr and "Traceback" not in r.stderr, r.stderr
