@@ -716,10 +716,13 @@ def part_h200(args, sink) -> None:
                         sch = WarScheduler(len(servers), SchedulerConfig(max_running=gate,
                                                                          expected_decode=args.max_new_tokens,
                                                                          load_weight=args.load_weight,
-                                                                         cache_tokens=args.cache_tokens))
+                                                                         cache_tokens=args.cache_tokens,
+                                                                         hybrid_cache=args.hybrid_cache))
                         r = _step(sch.wrap([s_.engine(timeout=timeout()) for s_ in servers]), sch, args, conc,
                                   args.high_tasks, args.group, strict=False)
                         extra["modelled_cache_hit"] = round(sch.cache_hit(), 4)
+                        extra["moves"] = sch.stats["moves"]      # turns placed off their trajectory's replica
+                        extra["hybrid_cache"] = args.hybrid_cache
                     steps_high.append(r["makespan_s"])
                     sink.add(dict(tag, load="high", concurrency=conc, policy=policy, accept_len=None,
                                   device=dev + f", {len(servers)} replicas x mem {frac}", **r, **extra))
@@ -899,6 +902,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-running", type=int, default=0, help="WAR admission gate per replica (0: off)")
     p.add_argument("--load-weight", type=float, default=1.0, help="WAR cost of a queued token")
     p.add_argument("--cache-tokens", type=int, default=400_000, help="WAR prefix model capacity per replica")
+    p.add_argument("--hybrid-cache", action="store_true",
+                   help="h200: WAR's prefix model credits only whole earlier sequences (SGLang's cache on a "
+                        "Mamba / GDN hybrid keeps a state per cached request, not per token)")
     p.add_argument("--parallel-start", action="store_true",
                    help="h200: start the high-load replicas at once (default: one after another). SGLang 0.5.17 sizes "
                         "a hybrid model's state pool from the memory free when it starts, so servers allocating "

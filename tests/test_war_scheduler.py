@@ -82,6 +82,33 @@ def test_prefix_model_lru_eviction():
         SchedulerConfig(block=0)
 
 
+def test_hybrid_prefix_model_credits_only_whole_earlier_sequences():
+    """With ``checkpoints`` (a recurrent-state hybrid's cache) a replica that holds a sibling's
+    longer sequence is credited only up to the shared prompt it stored a state for, not up to the
+    last shared token; the token-level model credits the shared tokens. Eviction drops the state."""
+    tok, hyb = PrefixModel(1 << 20, block=8), PrefixModel(1 << 20, block=8, checkpoints=True)
+    prompt = P                                            # 64 tokens: 8 blocks
+    sib = prompt + [1] * 40 + [2] * 24                   # a sibling's finished turn: prompt + output
+    me = prompt + [1] * 40 + [3] * 24                    # my context shares 40 more tokens with it
+    for m in (tok, hyb):
+        m.insert(m.block_hashes(prompt))                 # the prompt was prefilled (a state at its end)
+        m.insert(m.block_hashes(sib))                    # the sibling finished (a state at its end)
+    h = tok.block_hashes(me)
+    assert tok.match(h) == 64 + 40 and hyb.match(h) == 64
+    assert hyb.match(hyb.block_hashes(sib + [5] * 16)) == len(sib)     # my own previous turn: all of it
+    small = PrefixModel(capacity=64, block=8, checkpoints=True)      # 8 blocks
+    small.insert(small.block_hashes(prompt))
+    small.insert(small.block_hashes(list(range(500, 564))))          # evicts the whole prompt
+    assert small.match(small.block_hashes(prompt)) == 0 and len(small._ckpt) == 1
+    # the scheduler with hybrid_cache: a turn stays where its whole previous sequence is
+    s = WarScheduler(2, SchedulerConfig(block=8, expected_decode=16, hybrid_cache=True))
+    a = s.place("g/0", prompt, 0, [0, 0])
+    s.started(a, "g/0#0", prompt, 16)
+    s.finished(a, "g/0#0", prompt, Generation([1] * 40, [0.0] * 40, "stop"))
+    assert s.models[a].match(s.models[a].block_hashes(prompt + [1] * 40 + [9] * 8)) == 104
+    assert s.models[1 - a].match(s.models[a].block_hashes(prompt)) == 0
+
+
 class FakeEngine:
     """A named in-process stand-in (the gate's order is what is tested): blocks until released."""
 
