@@ -39,7 +39,14 @@ BACKENDS = ("auto", "grouped", "loop")
 
 
 def _offsets(tokens_per_expert: list[int], device) -> torch.Tensor:
-    """int32 ``[E]`` end offsets (cumulative counts), as ``torch._grouped_mm`` takes them."""
+    """int32 ``[E]`` end offsets (cumulative counts), as ``torch._grouped_mm`` takes them: the
+    device offsets the layer's dispatcher computed (``dispatch.device_offsets``), else copied from
+    the host."""
+    from .dispatch import device_offsets
+
+    offs = device_offsets(tokens_per_expert, device)
+    if offs is not None:
+        return offs
     ends, acc = [], 0
     for n in tokens_per_expert:
         acc += int(n)
