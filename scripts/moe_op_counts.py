@@ -224,6 +224,34 @@ def measure(model, pk, args) -> dict:
     return c
 
 
+def microbatch_counts(workloads: list[str], capacity: int, seeds: list[int]) -> list[dict]:
+    """Per workload and timed-step seed of ``bench_e2e`` (CPU, no model): microbatches of each side
+    as bench_e2e splits them (HARTS: the planner; baseline: LPT on trajectory tokens), their tokens
+    (HARTS: compact tree tokens; baseline: trajectory tokens) and the trajectory tokens."""
+    import numpy as np
+
+    from megatron_harts.planner import plan
+    from megatron_harts.planner.plan import assign
+    from megatron_harts.tree import trees_from_trajectories
+    from scripts.bench_e2e import cost_model_for, workload
+    rows = []
+    for wl in workloads:
+        for sd in seeds:
+            a = argparse.Namespace(tiny=False, swe_groups=2, swe_max_tokens=32768, tau_groups=8, sweep_tokens=131072,
+                                   seed=sd, capacity=capacity, chunk_size=64, vocab=32768)
+            trajs = workload(wl, a)
+            trees = trees_from_trajectories(trajs)
+            p = plan(trees, dp_size=1, microbatch_capacity=capacity, cost_model=cost_model_for("moe", a), chunk_size=64)
+            h = [sum(t.num_tokens for t in mb) for mb in p.microbatches(trees, 0) if mb]
+            lens = np.array([len(t) for t in trajs], np.int64)
+            _, mb, M = assign(lens.astype(np.float64), lens, dp_size=1, capacity=capacity, refine=True)
+            b = [int(lens[mb == m].sum()) for m in range(M) if (mb == m).any()]
+            rows.append(dict(workload=wl, seed=sd, traj_tokens=int(lens.sum()), harts_microbatches=len(h),
+                             harts_tokens=h, baseline_microbatches=len(b), baseline_tokens=b,
+                             compression=float(lens.sum()) / sum(h)))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=64)
@@ -236,8 +264,23 @@ def main(argv=None):
                     help="MoE token permutation: megatron_harts.moe.dispatch (fast) or Megatron's own (reference)")
     ap.add_argument("--sites", action="store_true", help="also list where the syncs happen")
     ap.add_argument("--ops", action="store_true", help="also list the launching ops of a MoE layer forward")
+    ap.add_argument("--microbatches", metavar="WORKLOADS", help="instead: microbatches per step of bench_e2e's "
+                    "workloads (e.g. swe,tau) on both sides at --capacity, seeds 1..5 (its timed steps)")
+    ap.add_argument("--capacity", type=int, default=65536)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.microbatches:
+        rows = microbatch_counts(args.microbatches.split(","), args.capacity, [1, 2, 3, 4, 5])
+        print("| workload | seed | traj tokens | compression | HARTS microbatches | HARTS tokens/microbatch "
+              "(compact) | baseline microbatches | baseline tokens/microbatch |\n|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['workload']} | {r['seed']} | {r['traj_tokens']} | {r['compression']:.2f} | "
+                  f"{r['harts_microbatches']} | {', '.join(map(str, r['harts_tokens']))} | {r['baseline_microbatches']} | "
+                  f"{', '.join(map(str, r['baseline_tokens']))} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     args.recompute = args.recompute == "on"
 
     from megatron_harts.megatron import cpu_shim

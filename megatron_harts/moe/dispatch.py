@@ -26,6 +26,12 @@ expert), so the results are bitwise those of the reference.
 * ``"reference"``: Megatron's own ``dispatch_postprocess`` (kept side by side, fla-style; the tests
   compare the two).
 
+With grouped experts on ``TorchGroupedLinear`` and tree routing (every token has exactly top-k
+experts, so the number of permuted rows is ``N * top-k`` without asking the device), even that copy
+goes: :func:`device_plan` leaves the counts on the device (:class:`DeviceCounts`) and the grouped
+GEMMs take the device offsets, so a MoE layer runs without any host sync (``SequentialMLP``, which
+splits by host counts, keeps the one copy).
+
 TE's fused permutation (``moe_permute_fusion``) runs Megatron's path unchanged.
 :func:`use_counts_once_dispatcher` swaps it into a ``MoELayer`` (``treeify_moe`` does it for the
 tree spec; HARTS and the trajectory-wise baseline run the same layers, so both get it).
@@ -66,6 +72,56 @@ def dispatch_plan(local_map: torch.Tensor) -> DispatchPlan:
     return DispatchPlan(counts, tokens_per_expert, flat, flat % n if n else flat, offsets)
 
 
+class DeviceCounts:
+    """Tokens per expert left on the device: what :class:`CountsOnceAllGatherDispatcher` hands to
+    grouped experts when the number of permuted rows is known on the host without asking the device
+    (tree routing: every token has exactly top-k experts, all experts local). Megatron's
+    ``TEGroupedMLP.forward`` calls ``tokens_per_expert.tolist()`` and passes the result to its
+    linear layers: ``tolist()`` returns this object, and
+    :class:`~megatron_harts.moe.grouped.TorchGroupedLinear` runs the grouped GEMM on ``offsets``;
+    anything that needs the counts on the host calls :meth:`host` (one device->host copy, cached)."""
+
+    def __init__(self, counts: torch.Tensor, offsets: torch.Tensor, total: int):
+        self.counts, self.offsets, self.total = counts, offsets, total
+        self._host: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self.counts.shape[0]
+
+    def tolist(self) -> "DeviceCounts":
+        return self
+
+    def host(self) -> list[int]:
+        if self._host is None:
+            self._host = self.counts.tolist()
+        return self._host
+
+
+def device_plan(local_map: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, DeviceCounts]:
+    """``(flat_index, token_index, DeviceCounts)`` of ``local_map`` ``[N, E]`` when every row has
+    exactly ``topk`` entries (``N * topk`` permuted rows): no device->host copy at all. The row
+    count is checked on the device (``torch._assert_async``), not on the host."""
+    n = local_map.shape[0]
+    total = n * topk
+    counts = local_map.sum(0)
+    torch._assert_async(counts.sum() == total, "MoE routing map rows must have exactly top-k experts")
+    flat = torch.nonzero_static(local_map.T.reshape(-1), size=total).view(-1)
+    offsets = counts.cumsum(0).to(torch.int32)
+    return flat, flat % n if n else flat, DeviceCounts(counts, offsets, total)
+
+
+def experts_take_device_counts(experts) -> bool:
+    """Whether ``experts`` accept :class:`DeviceCounts`: Megatron's ``TEGroupedMLP`` on
+    ``TorchGroupedLinear`` layers, unfused, without fp8 / fp4 padding (which needs host counts)."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from .grouped import TorchGroupedLinear
+    cfg = getattr(experts, "config", None)
+    return (isinstance(experts, TEGroupedMLP) and isinstance(experts.linear_fc1, TorchGroupedLinear)
+            and isinstance(experts.linear_fc2, TorchGroupedLinear) and not getattr(experts, "_with_fused_impl", False)
+            and not getattr(cfg, "fp8", None) and not getattr(cfg, "fp4", None))
+
+
 # The end offsets of the last plan, keyed by its counts: TorchGroupedLinear's fc1 and fc2 (and the
 # recomputed forward of the same layer) find them here instead of copying them to the device. A hit
 # is correct whatever layer registered it: the offsets are a function of the counts alone.
@@ -88,6 +144,14 @@ class CountsOnceAllGatherDispatcher(MoEAllGatherTokenDispatcher):
     an existing allgather dispatcher is converted in place (:func:`use_counts_once_dispatcher`)."""
 
     backend = "fast"
+    device_counts = False      # the experts accept DeviceCounts (set by use_counts_once_dispatcher)
+    router = None              # the layer's router: tree routing => exactly top-k experts per token
+
+    def _rows_are_full(self) -> bool:
+        """Every routing-map row has exactly top-k experts and all experts are local: tree routing
+        (deterministic top-k, no padding tokens, no dropping: ``check_tree_moe_config``)."""
+        return (getattr(self.router, "_tree_pack", None) is not None
+                and self.num_local_experts == self.config.num_moe_experts)
 
     def dispatch_postprocess(self, hidden_states, probs):
         if self.backend not in BACKENDS:
@@ -98,12 +162,17 @@ class CountsOnceAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         self.hidden_shape_before_permute = hidden_states.shape
         lo, hi = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         self.local_map = self.routing_map[:, lo:hi].contiguous()
-        plan = dispatch_plan(self.local_map)
-        permuted = hidden_states.index_select(0, plan.token_index)
-        self.local_probs = probs[:, lo:hi].T.contiguous().reshape(-1)[plan.flat_index]
-        self.reversed_local_input_permutation_mapping = plan.token_index
+        if self.device_counts and self._rows_are_full():
+            _OFFSETS.clear()
+            flat, token_index, tokens_per_expert = device_plan(self.local_map, self.router_topk)
+        else:
+            plan = dispatch_plan(self.local_map)
+            flat, token_index, tokens_per_expert = plan.flat_index, plan.token_index, plan.tokens_per_expert
+        permuted = hidden_states.index_select(0, token_index)
+        self.local_probs = probs[:, lo:hi].T.contiguous().reshape(-1)[flat]
+        self.reversed_local_input_permutation_mapping = token_index
         self.routing_map = None
-        return permuted, plan.tokens_per_expert, self.local_probs
+        return permuted, tokens_per_expert, self.local_probs
 
 
 def use_counts_once_dispatcher(moe_layer, backend: str = "fast") -> None:
@@ -117,3 +186,5 @@ def use_counts_once_dispatcher(moe_layer, backend: str = "fast") -> None:
             d.__class__ = CountsOnceAllGatherDispatcher
         if isinstance(d, CountsOnceAllGatherDispatcher):
             d.backend = backend
+            d.router = getattr(moe_layer, "router", None)
+            d.device_counts = experts_take_device_counts(getattr(moe_layer, "experts", None))
