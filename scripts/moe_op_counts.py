@@ -224,6 +224,23 @@ def measure(model, pk, args) -> dict:
     return c
 
 
+def layer_counts(model, pk) -> dict:
+    """One MoE layer alone, forward + backward on a tree pack (router in tree mode, no
+    recomputation): {(phase, kind): n} summed over regions."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    h = torch.randn(pk.num_tokens, 1, layer.config.hidden_size)
+    for _ in range(2):                                  # the second run: the pack's caches built
+        hb = h.clone().requires_grad_()
+        with counting(layer) as c:
+            with layer.router.tree_routing(pk):
+                y, _ = layer(hb)
+            c.phase = "bwd"
+            y.square().sum().backward()
+    return {(ph, k): sum(v for (p2, _, k2), v in c.counts.items() if p2 == ph and k2 == k)
+            for ph in ("fwd", "bwd") for k in ("syncs", "h2d", "launches")}
+
+
 def microbatch_counts(workloads: list[str], capacity: int, seeds: list[int]) -> list[dict]:
     """Per workload and timed-step seed of ``bench_e2e`` (CPU, no model): microbatches of each side
     as bench_e2e splits them (HARTS: the planner; baseline: LPT on trajectory tokens), their tokens
@@ -291,6 +308,18 @@ def main(argv=None):
         n_moe = pattern.count("E")
         result = dict(pattern=pattern, moe_layers=n_moe, grouped_experts=args.grouped_experts, dispatcher=args.dispatcher,
                       recompute=args.recompute, sides={})
+        from megatron_harts.moe.dispatch import use_counts_once_dispatcher
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        tree_pk = packs(args)["tree"]
+        result["layer"] = {}
+        for backend in ("reference", "fast"):
+            for m in model.modules():
+                if isinstance(m, MoELayer):
+                    use_counts_once_dispatcher(m, backend)
+            result["layer"][backend] = {f"{ph}_{k}": n for (ph, k), n in layer_counts(model, tree_pk).items()}
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                use_counts_once_dispatcher(m, args.dispatcher)
         for side, pk in packs(args).items():
             measure(model, pk, args)            # warm: caches of the pack and of the model
             c = measure(model, pk, args)
@@ -301,6 +330,15 @@ def main(argv=None):
             row["moe_fwd_ops"] = {op: n / n_moe for (ph, reg, op), n in sorted(c.ops.items(), key=lambda x: -x[1])
                                   if ph == "fwd" and reg == "moe"}
             result["sides"][side] = row
+    print(f"one MoE layer alone, forward + backward (tree pack of "
+          f"{result['sides']['tree']['tokens']} compact tokens, router in tree mode, no recomputation), "
+          f"{'grouped experts' if args.grouped_experts else 'SequentialMLP experts'}:")
+    print("| dispatcher | syncs fwd | syncs bwd | h2d copies fwd | h2d bwd | launches fwd | launches bwd |\n"
+          "|---|---|---|---|---|---|---|")
+    for backend, r in result["layer"].items():
+        print(f"| {backend} | {r['fwd_syncs']} | {r['bwd_syncs']} | {r['fwd_h2d']} | {r['bwd_h2d']} | "
+              f"{r['fwd_launches']} | {r['bwd_launches']} |")
+    print(f"\none microbatch, whole model (dispatcher={args.dispatcher}, recompute={args.recompute}):")
     hdr = ("side", "tokens", "MoE syncs/layer fwd", "bwd", "MoE h2d/layer fwd", "bwd", "MoE launches/layer fwd",
            "bwd", "syncs/microbatch (all layers)", "launches/microbatch")
     print("| " + " | ".join(hdr) + " |\n|" + "---|" * len(hdr))

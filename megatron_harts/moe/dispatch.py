@@ -67,7 +67,7 @@ def dispatch_plan(local_map: torch.Tensor) -> DispatchPlan:
     counts = tokens_per_expert.tolist()
     total = sum(counts)
     flat = torch.nonzero_static(local_map.T.reshape(-1), size=total).view(-1)   # expert-major, no sync
-    offsets = counts_dev.cumsum(0).to(torch.int32)
+    offsets = counts_dev.cumsum(0, dtype=torch.int32)
     register_offsets(counts, offsets)
     return DispatchPlan(counts, tokens_per_expert, flat, flat % n if n else flat, offsets)
 
@@ -104,9 +104,10 @@ def device_plan(local_map: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch
     n = local_map.shape[0]
     total = n * topk
     counts = local_map.sum(0)
-    torch._assert_async(counts.sum() == total, "MoE routing map rows must have exactly top-k experts")
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    if n:
+        torch._assert_async(offsets[-1] == total, "MoE routing map rows must have exactly top-k experts")
     flat = torch.nonzero_static(local_map.T.reshape(-1), size=total).view(-1)
-    offsets = counts.cumsum(0).to(torch.int32)
     return flat, flat % n if n else flat, DeviceCounts(counts, offsets, total)
 
 
