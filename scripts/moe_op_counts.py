@@ -7,23 +7,30 @@ microbatch (``pack`` of merged trees, as HARTS) and on the same trajectories as 
 trajectory-wise baseline: the same layers, un-merged trees), and counts, under a
 ``TorchDispatchMode``, every aten op:
 
-* ``syncs``: ops that make the host wait for the device on CUDA: ``aten::_local_scalar_dense``
-  (``.item()``, ``bool(t)``, ``int(t)``), ``nonzero``, ``masked_select``, ``unique*``,
-  ``repeat_interleave`` without ``output_size``, boolean-mask indexing, device->host copies
-  (``.cpu()`` / ``.tolist()`` of a device tensor: counted where a tensor that lives on the compute
-  device is copied to the host; on CPU every tensor is on the host, so copies *to* a CPU tensor
-  whose source is not a host tensor are counted through ``--assume-device`` below), and host->device
-  copies from pageable memory (``torch.tensor(list).to(device)``: the driver may wait on the stream);
-* ``launches``: ops that would launch a device kernel (every aten op that is not a view, an
-  allocation or a sync), a proxy for launch count (fused / composite kernels may differ on CUDA).
+* ``syncs``: ops that make the host wait for the device on CUDA: ``aten::_local_scalar_dense`` of a
+  device tensor (``.item()``, ``bool(t)``, ``int(t)``), ``nonzero``, ``masked_select``,
+  ``unique*``, ``repeat_interleave`` without ``output_size``, boolean-mask indexing, and
+  ``.cpu()`` / ``.tolist()`` / ``.numpy()`` of a device tensor;
+* ``h2d``: tensors made from Python data (``torch.tensor(list)``) inside the counted region: host
+  tensors made to be copied to the device from pageable memory (e.g. grouped-GEMM offsets);
+* ``launches``: ops that would launch a device kernel (every aten op on device tensors that is not
+  a view, an allocation or a sync), a proxy for the launch count (fused / composite kernels and the
+  GPU-only paths, fla's Triton kernels and FlexAttention, differ on CUDA: the CPU runs the torch
+  reference of the GDN layers, whose ``_to_chunks`` syncs are CPU-only).
 
-On CPU all tensors are host tensors, so the script tags the tensors that would live on the GPU: every
-tensor created inside the counted region from device-side tensors (the model's parameters and the
-pack, which the bench copies to the GPU) is "device"; a ``torch.tensor(python list)`` made on the
-host is "host". Copies between the two are classified by that tag.
+On CPU all tensors are host tensors, so the script tags which would be host tensors on the GPU:
+results of ``.cpu()`` / ``.tolist()`` and ``torch.tensor(python data)``, and whatever is computed
+from host tensors only; every other tensor (parameters, the pack, activations) is a device tensor.
+MoE region: inside a ``MoELayer`` forward (its recomputed forward under full recomputation counts
+as ``bwd``) or called from Megatron's / this package's MoE modules; a MoE layer's backward kernels
+run outside any Python frame and count in ``other`` (the one-layer table measures them apart).
+``--device cuda`` instead counts the syncs CUDA itself reports for one MoE layer of the real model
+and times it (no GPU in the CPU run).
 
     PYTHONPATH=. python scripts/moe_op_counts.py                  # table (per layer, per microbatch)
     PYTHONPATH=. python scripts/moe_op_counts.py --json out.json --grouped-experts
+    PYTHONPATH=. python scripts/moe_op_counts.py --microbatches swe,tau     # bench_e2e's microbatches per step
+    PYTHONPATH=. python scripts/moe_op_counts.py --device cuda --grouped-experts --tokens 196608   # H200
 """
 from __future__ import annotations
 
@@ -116,11 +123,6 @@ class OpCounter(TorchDispatchMode):
             for t in torch.utils._pytree.tree_leaves(out):   # torch.tensor(list): made on the host
                 if isinstance(t, torch.Tensor):
                     _mark_host(t)
-            return out
-        if name in ("aten::_to_copy", "aten::copy_") and flat:
-            if _is_host(flat[0]) and not all(_is_host(a) for a in flat[1:]):                         # host -> device (pageable: may wait)
-                self._add("h2d")
-                self._add("launches")
             return out
         if func in _ALLOC or _is_view(func) or name in ("aten::detach", "aten::lift_fresh_copy"):
             if srcs_host:
@@ -269,6 +271,63 @@ def microbatch_counts(workloads: list[str], capacity: int, seeds: list[int]) -> 
     return rows
 
 
+def layer_timing(args) -> dict:
+    """``--device cuda``: one MoE layer of the bench's real MoE model (bf16, hidden 1024, 16 experts
+    top-2, grouped or SequentialMLP experts) on a tree pack of ``--tokens`` trajectory tokens
+    (sweep 4x), router in tree mode: per dispatcher, the host syncs CUDA reports
+    (``torch.cuda.set_sync_debug_mode("warn")``) in one forward + backward, and the median wall ms
+    of a forward + backward (``--reps``, synchronised after each) with the ms the host spends
+    issuing it (before the final synchronisation)."""
+    import statistics
+    import time
+    import warnings
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_harts.megatron.gpu import build_gpu_hybrid_model, init_single_gpu
+    from megatron_harts.moe.dispatch import use_counts_once_dispatcher
+    from scripts.bench_e2e import MODELS
+    init_single_gpu(0)
+    pattern, over = MODELS["moe"]
+    model = build_gpu_hybrid_model(pattern, 32768, 4096, grouped_experts=args.grouped_experts, **over)
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    pk = packs(argparse.Namespace(**{**vars(args), "vocab": 32768}))["tree"].to("cuda")
+    h = torch.randn(pk.num_tokens, 1, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        hb = h.clone().requires_grad_()
+        with layer.router.tree_routing(pk):
+            y, _ = layer(hb)
+        y.float().square().sum().backward()
+
+    out = {"tokens": pk.num_tokens, "grouped_experts": args.grouped_experts}
+    for backend in ("reference", "fast"):
+        use_counts_once_dispatcher(layer, backend)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+        walls, issue = [], []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            step()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            walls.append(1e3 * (time.perf_counter() - t0))
+            issue.append(1e3 * (t1 - t0))
+        out[backend] = dict(syncs=len(syncs), sync_messages=sorted(set(syncs)), wall_ms=statistics.median(walls),
+                            host_issue_ms=statistics.median(issue))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=64)
@@ -284,15 +343,31 @@ def main(argv=None):
     ap.add_argument("--microbatches", metavar="WORKLOADS", help="instead: microbatches per step of bench_e2e's "
                     "workloads (e.g. swe,tau) on both sides at --capacity, seeds 1..5 (its timed steps)")
     ap.add_argument("--capacity", type=int, default=65536)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: sync count (CUDA's sync debug "
+                    "mode) and timing of one MoE layer of the bench's real model instead")
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        out = layer_timing(args)
+        print(f"one MoE layer (bench config, {'grouped' if args.grouped_experts else 'SequentialMLP'} experts), tree "
+              f"pack of {out['tokens']} compact tokens, forward + backward on CUDA:")
+        print("| dispatcher | syncs (CUDA sync debug) | wall ms (median) | host issue ms |\n|---|---|---|---|")
+        for b in ("reference", "fast"):
+            r = out[b]
+            print(f"| {b} | {r['syncs']} | {r['wall_ms']:.3f} | {r['host_issue_ms']:.3f} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     if args.microbatches:
         rows = microbatch_counts(args.microbatches.split(","), args.capacity, [1, 2, 3, 4, 5])
         print("| workload | seed | traj tokens | compression | HARTS microbatches | HARTS tokens/microbatch "
               "(compact) | baseline microbatches | baseline tokens/microbatch |\n|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['workload']} | {r['seed']} | {r['traj_tokens']} | {r['compression']:.2f} | "
-                  f"{r['harts_microbatches']} | {', '.join(map(str, r['harts_tokens']))} | {r['baseline_microbatches']} | "
+                  f"{r['harts_microbatches']} | {', '.join(map(str, r['harts_tokens']))} | "
+                  f"{r['baseline_microbatches']} | "
                   f"{', '.join(map(str, r['baseline_tokens']))} |")
         if args.json:
             with open(args.json, "w") as f:
@@ -306,7 +381,8 @@ def main(argv=None):
     with cpu_shim.cpu_megatron(seed=0):
         pattern, model = build(args)
         n_moe = pattern.count("E")
-        result = dict(pattern=pattern, moe_layers=n_moe, grouped_experts=args.grouped_experts, dispatcher=args.dispatcher,
+        result = dict(pattern=pattern, moe_layers=n_moe, grouped_experts=args.grouped_experts,
+                      dispatcher=args.dispatcher,
                       recompute=args.recompute, sides={})
         from megatron_harts.moe.dispatch import use_counts_once_dispatcher
         from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -348,7 +424,8 @@ def main(argv=None):
         tot_l = sum(r[f"{p}_{g}_launches"] for p in ("fwd", "bwd") for g in ("moe", "other"))
         print(f"| {side} | {r['tokens']} | {per('fwd_moe_syncs')} | {per('bwd_moe_syncs')} | {per('fwd_moe_h2d')} | "
               f"{per('bwd_moe_h2d')} | {per('fwd_moe_launches')} | {per('bwd_moe_launches')} | {tot_s} | {tot_l} |")
-    print(f"\n{n_moe} MoE layers, dispatcher={args.dispatcher}, grouped_experts={args.grouped_experts}, recompute={args.recompute}; MoE 'bwd' = the "
+    print(f"\n{n_moe} MoE layers, dispatcher={args.dispatcher}, grouped_experts={args.grouped_experts}, "
+          f"recompute={args.recompute}; MoE 'bwd' = the "
           "recomputed forward of the MoE layers under full recomputation (their backward kernels count in 'other').")
     if args.sites:
         for side, r in result["sides"].items():

@@ -33,18 +33,17 @@ GEMMs take the device offsets, so a MoE layer runs without any host sync (``Sequ
 splits by host counts, keeps the one copy).
 
 TE's fused permutation (``moe_permute_fusion``) runs Megatron's path unchanged.
-:func:`use_counts_once_dispatcher` swaps it into a ``MoELayer`` (``treeify_moe`` does it for the
-tree spec; HARTS and the trajectory-wise baseline run the same layers, so both get it).
+:func:`use_counts_once_dispatcher` swaps it into a ``MoELayer`` (``TreeMoETransformerLayer`` does it
+for its MoE MLP: every ``E`` layer of the tree spec, whether it runs a tree pack or trajectory-wise
+chains, so HARTS and the baseline run the same dispatcher).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-logger = logging.getLogger(__name__)
 
 BACKENDS = ("fast", "reference")
 

@@ -151,7 +151,8 @@ class TorchGroupedLinear(torch.nn.Module):
             if len(tokens_per_expert) != self.weight.shape[0] or tokens_per_expert.total != x.shape[0]:
                 raise ValueError(f"{len(tokens_per_expert)} experts / {tokens_per_expert.total} rows do not match "
                                  f"x {tuple(x.shape)} and {self.weight.shape[0]} experts")
-            if x.shape[0] and (self.backend == "grouped" or (self.backend == "auto" and grouped_applies(x, self.weight))):
+            grouped = self.backend == "grouped" or (self.backend == "auto" and grouped_applies(x, self.weight))
+            if x.shape[0] and grouped:
                 return _GroupedLinearFn.apply(x.contiguous(), self.weight, tokens_per_expert.offsets), None
             tokens_per_expert = tokens_per_expert.host()
         return grouped_linear(x, self.weight, tokens_per_expert, self.backend), None
