@@ -18,8 +18,8 @@ class TreeMoETransformerLayer(MoETransformerLayer):
     re-run the router outside it, and is refused for tree packs, as are partial CUDA graphs.
 
     Its allgather token dispatcher is :class:`~megatron_harts.moe.dispatch.CountsOnceAllGatherDispatcher`
-    (one device->host copy per layer; ``dispatcher_backend = "reference"``: Megatron's), for tree
-    packs and trajectory-wise packs alike.
+    (one device->host copy per layer, none with grouped experts under tree routing;
+    ``dispatcher_backend = "reference"``: Megatron's), for tree packs and trajectory-wise packs alike.
     """
 
     dispatcher_backend = "fast"
