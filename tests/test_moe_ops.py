@@ -197,3 +197,13 @@ def test_permutation_does_not_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert flat.shape == (total,) and probs.shape == (total,) and offs.shape == (E,)
+
+
+def test_device_plan_checks_the_row_count_on_the_device():
+    """Rows with other than top-k experts trip the device-side assert (on CPU: at once)."""
+    from megatron_harts.moe.dispatch import device_plan
+    flat, token_index, counts = device_plan(MAPS["top3"], 3)
+    assert counts.total == 12 and counts.host() == MAPS["top3"].sum(0).tolist()
+    assert torch.equal(counts.offsets, MAPS["top3"].sum(0).cumsum(0).int()) and counts.tolist() is counts
+    with pytest.raises(RuntimeError, match="top-k"):
+        device_plan(MAPS["expert_without_tokens"], 3)
