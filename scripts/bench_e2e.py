@@ -165,6 +165,9 @@ def build_model(name: str, recompute: bool, args, max_len: int):
     """HybridModel with ``tree_hybrid_stack_spec``; bf16 on CUDA, fp32 tiny through cpu_shim on CPU."""
     from megatron_harts.megatron import cpu_shim
 
+    from megatron_harts.moe.layer import TreeMoETransformerLayer
+
+    TreeMoETransformerLayer.dispatcher_backend = getattr(args, "moe_dispatcher", "fast")   # both sides: one model
     pattern, over = (TINY if args.tiny else MODELS)[name]
     over = dict(over, **(RECOMPUTE if recompute else {}))
     if args.device == "cpu":
@@ -656,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens with a dummy chain (0: off; attention pads itself, see flex_length)")
     ap.add_argument("--grouped-experts", action="store_true", help="MoE experts as TEGroupedMLP on torch's grouped "
                     "GEMM (megatron_harts.moe.grouped) instead of SequentialMLP, on both sides")
+    ap.add_argument("--moe-dispatcher", choices=["fast", "reference"], default="fast",
+                    help="MoE token permutation on both sides: megatron_harts.moe.dispatch (one device->host copy "
+                    "per layer, none with --grouped-experts) or Megatron's own (two syncs per layer)")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--swe-groups", type=int, default=2)
@@ -709,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 chunk_size=args.chunk_size, max_steps=args.max_steps, pad_multiple=args.pad_multiple,
                 vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv, fresh_batches=not args.same_batch,
-                grouped_experts=args.grouped_experts,
+                grouped_experts=args.grouped_experts, moe_dispatcher=args.moe_dispatcher,
                 warmup_batches=0 if args.same_batch else args.warmup_batches)
     if args.same_batch:
         data = {wl: workload(wl, args) for wl in wls}

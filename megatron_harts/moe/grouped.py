@@ -39,7 +39,14 @@ BACKENDS = ("auto", "grouped", "loop")
 
 
 def _offsets(tokens_per_expert: list[int], device) -> torch.Tensor:
-    """int32 ``[E]`` end offsets (cumulative counts), as ``torch._grouped_mm`` takes them."""
+    """int32 ``[E]`` end offsets (cumulative counts), as ``torch._grouped_mm`` takes them: the
+    device offsets the layer's dispatcher computed (``dispatch.device_offsets``), else copied from
+    the host."""
+    from .dispatch import device_offsets
+
+    offs = device_offsets(tokens_per_expert, device)
+    if offs is not None:
+        return offs
     ends, acc = [], 0
     for n in tokens_per_expert:
         acc += int(n)
@@ -134,7 +141,20 @@ class TorchGroupedLinear(torch.nn.Module):
         setattr(self.weight, "allreduce", not expert_pgs)
         self._name = name or tp_comm_buffer_name or "expert linear"
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]):
+    def forward(self, x: torch.Tensor, tokens_per_expert):
+        """``tokens_per_expert``: a list of ints, or the dispatcher's ``dispatch.DeviceCounts``
+        (counts still on the device: the grouped GEMM runs on its device offsets; where it does not
+        apply, the counts are copied to the host once)."""
+        from .dispatch import DeviceCounts
+
+        if isinstance(tokens_per_expert, DeviceCounts):
+            if len(tokens_per_expert) != self.weight.shape[0] or tokens_per_expert.total != x.shape[0]:
+                raise ValueError(f"{len(tokens_per_expert)} experts / {tokens_per_expert.total} rows do not match "
+                                 f"x {tuple(x.shape)} and {self.weight.shape[0]} experts")
+            grouped = self.backend == "grouped" or (self.backend == "auto" and grouped_applies(x, self.weight))
+            if x.shape[0] and grouped:
+                return _GroupedLinearFn.apply(x.contiguous(), self.weight, tokens_per_expert.offsets), None
+            tokens_per_expert = tokens_per_expert.host()
         return grouped_linear(x, self.weight, tokens_per_expert, self.backend), None
 
     def backward_dw(self) -> None:

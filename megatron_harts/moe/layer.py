@@ -4,6 +4,7 @@ from __future__ import annotations
 from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
 from ..megatron.packed_seq import TreePackedSeqParams
+from .dispatch import use_counts_once_dispatcher
 from .router import TreeTopKRouter
 
 
@@ -15,7 +16,18 @@ class TreeMoETransformerLayer(MoETransformerLayer):
     activation recomputation (``recompute_granularity="full"``), which re-runs ``forward`` with the
     same arguments, re-enters the block. Selective recomputation of the MoE/MLP module alone would
     re-run the router outside it, and is refused for tree packs, as are partial CUDA graphs.
+
+    Its allgather token dispatcher is :class:`~megatron_harts.moe.dispatch.CountsOnceAllGatherDispatcher`
+    (one device->host copy per layer, none with grouped experts under tree routing;
+    ``dispatcher_backend = "reference"``: Megatron's), for tree packs and trajectory-wise packs alike.
     """
+
+    dispatcher_backend = "fast"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if hasattr(self.mlp, "token_dispatcher"):
+            use_counts_once_dispatcher(self.mlp, self.dispatcher_backend)
 
     def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None, packed_seq_params=None):
         if not isinstance(packed_seq_params, TreePackedSeqParams):

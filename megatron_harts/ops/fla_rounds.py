@@ -113,7 +113,8 @@ def _round_states(k, w, u, gc, fr: FusedRounds, keep_inits: bool):
     for r, vc in enumerate(fr.rounds):
         t = vc.tokens
         init = _init_state(fr, r, final)
-        final = k.new_zeros(vc.num_seqs, HV, K, V, dtype=torch.float32) if r < last else None
+        # written whole by the kernel (every sequence x head x K x V block, empty sequences too): no zero-fill
+        final = k.new_empty(vc.num_seqs, HV, K, V, dtype=torch.float32) if r < last else None
         kernel[lambda meta, n=vc.num_seqs: (triton.cdiv(V, meta["BV"]) * n * HV,)](
             k=k[:, t], v=u[:, t], w=w[:, t], v_new=v_new[:, t], g=gc[:, t], gk=None, h=h[:, vc.chunks],
             h0=init, ht=final, cu_seqlens=vc.cu_seqlens, chunk_offsets=vc.chunk_offsets,
