@@ -147,6 +147,7 @@ def part_drafters_sampled(args) -> list[dict]:
                                       max_new_tokens=args.sampled_max_new_tokens, max_turns=args.sampled_max_turns)
     log.info("%d sampled streams in %.1f s", len(streams), time.perf_counter() - t0)
     if args.save_streams:
+        Path(args.save_streams).parent.mkdir(parents=True, exist_ok=True)
         with open(args.save_streams, "w") as f:
             for st in streams:
                 f.write(json.dumps({"traj_id": st.traj_id, "group": st.group, "step": st.step, "tokens": st.tokens,
