@@ -197,6 +197,14 @@ class EmbeddedEngine:
         if bad:
             raise ValueError(f"checkpoint {path} does not match its model class: "
                              + "; ".join(f"{k} {sorted(map(str, v))[:5]}" for k, v in bad.items()))
+        # Fresh allocations instead of views of the memory-mapped safetensors file (8-byte aligned
+        # only): the CPU fp32 kernels take other code paths by alignment, and a model with the same
+        # weights at other addresses gave a decode-step log-prob differing in its last bits
+        # (measured: 1 of 16 steps). With this, a worker loaded from the checkpoint and one
+        # re-armed from a weight keeper (--load-format dummy) produce bit-identical outputs.
+        with self.torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                t.data = t.data.clone()
         return model.eval()
 
     def _load_dummy(self, path: str):
