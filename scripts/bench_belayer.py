@@ -475,11 +475,25 @@ def _server_weights_s(server):
             info = json.loads(conn.getresponse().read())
             conn.close()
             return info.get("weights_load_s")
-        m = re.findall(r"Load weight end\..*?elapsed=([0-9.]+) s", server.log_tail(400))
+        text = Path(server.log_path).read_text(errors="replace") if server.log_path else ""
+        m = re.findall(r"Load weight end\..*?elapsed=([0-9.]+) s", text)
         return float(m[-1]) if m else None
     except Exception as e:  # noqa: BLE001 - a missing phase is recorded as None
         log.warning("weight-load time of %s not available: %s", server.url, e)
         return None
+
+
+def _drop_page_cache(path):
+    """Evict the checkpoint's safetensors files from the OS page cache (``posix_fadvise``
+    ``DONTNEED``, unprivileged, this file only): the next read comes from the disk, as for a
+    worker on a node that has not read the checkpoint recently."""
+    for f in Path(path).glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _ckpt_bytes(path):
@@ -511,8 +525,10 @@ def bench_rearm(args, workdir, device, save=None):
     ``/update_weights_from_tensor``: ``health_s``, ``handles_s``, ``update_s``), ``first_token_s``
     (a one-token greedy request of ``--prompt-len`` tokens); ``total_s`` = their sum. Every re-armed
     worker's greedy 16 tokens and log-probs are compared with those of a checkpoint worker started
-    first, unmeasured (on a GPU it also fills the compile caches a first start pays for); the two
-    modes alternate which goes first in each rep. Returns (rows, detail)."""
+    first, unmeasured (on a GPU it also fills the compile caches a first start pays for). With
+    ``--rearm-cold-cache`` a third mode, ``checkpoint_cold``, evicts the checkpoint from the page
+    cache before its start (a second baseline). The modes take turns going first. Returns (rows,
+    detail)."""
     from megatron_harts.rollout.belayer.keeper import start_keeper
     from megatron_harts.rollout.types import SamplingParams
 
@@ -534,9 +550,10 @@ def bench_rearm(args, workdir, device, save=None):
 
     for label, path in _rearm_models(args, workdir):
         keeper = None
-        res = {"checkpoint": [], "keeper": []}
+        modes = ["checkpoint", "keeper"] + (["checkpoint_cold"] if args.rearm_cold_cache else [])
+        res = {m: [] for m in modes}
         ref = None
-        longest = {"checkpoint": args.startup_estimate_s, "keeper": args.startup_estimate_s}
+        longest = {m: args.startup_estimate_s for m in modes}
         try:
             tk = time.monotonic()
             keeper = start_keeper(path, "v0", device=keeper_device, log_path=str(Path(args.log_dir or workdir)
@@ -552,12 +569,14 @@ def bench_rearm(args, workdir, device, save=None):
                 srv.stop()
             phase("%s: reference worker (checkpoint, not measured): %d greedy tokens", label, len(ref.output_ids))
             for rep in range(args.rearm_reps):
-                for mode in (("checkpoint", "keeper") if rep % 2 == 0 else ("keeper", "checkpoint")):
+                for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:     # each first in turn
                     if deadline is not None and time.monotonic() + 1.3 * longest[mode] + 10 > deadline:
                         phase("%s: deadline: skipping %s rep %d and the rest", label, mode, rep)
                         break
+                    if mode == "checkpoint_cold":
+                        _drop_page_cache(path)
                     ts = time.monotonic()
-                    server = (start_ck if mode == "checkpoint" else start_dm)(path, "v0")
+                    server = (start_dm if mode == "keeper" else start_ck)(path, "v0")
                     try:
                         r = {"model": label, "mode": mode, "rep": rep, "start_s": time.monotonic() - ts,
                              "server_weights_s": _server_weights_s(server)}
@@ -590,24 +609,27 @@ def bench_rearm(args, workdir, device, save=None):
             if keeper is not None:
                 keeper.stop()
             _reap(registry)
-        if res["keeper"] and res["checkpoint"]:
-            rows.append(_rearm_row(args, device, label, path, res, keeper_start_s, kh))
-            if save is not None:
-                save(rows, detail)
+        for base in modes[:1] + modes[2:]:
+            if res["keeper"] and res[base]:
+                rows.append(_rearm_row(args, device, label, path, res, keeper_start_s, kh, base))
+        if save is not None:
+            save(rows, detail)
     return rows, detail
 
 
-def _rearm_row(args, device, label, path, res, keeper_start_s, kh):
+def _rearm_row(args, device, label, path, res, keeper_start_s, kh, base="checkpoint"):
     def med(mode, key):
         xs = [r[key] for r in res[mode] if r.get(key) is not None]
         return statistics.median(xs) if xs else None
-    paired = [c["total_s"] - k["total_s"] for c, k in zip(res["checkpoint"], res["keeper"])]
+    paired = [c["total_s"] - k["total_s"] for c, k in zip(res[base], res["keeper"])]
     equal = all(r["same_tokens"] for r in res["keeper"])
     exact = equal and all(not r["max_abs_logprob_diff"] for r in res["keeper"])
     transport = "CPU shared memory" if args.engine == "embedded" else "CUDA IPC"
     row = _row("engine worker SIGKILL (replacement start, no shadow)", REARM_MECHANISM,
-               [r["total_s"] for r in res["keeper"]], "restart loading the checkpoint",
-               [r["total_s"] for r in res["checkpoint"]], device=device,
+               [r["total_s"] for r in res["keeper"]],
+               "restart loading the checkpoint" + (" (its page cache dropped first)" if base == "checkpoint_cold" else
+                                                   " (in the page cache)"),
+               [r["total_s"] for r in res[base]], device=device,
                note=(f"{args.engine}, model {label} ({_ckpt_bytes(path) / 2**20:.1f} MiB of safetensors); transport "
                      f"{transport}; recovery_s / baseline_s: server start -> first token (detection not included); "
                      f"re-armed outputs {'bit-identical' if exact else 'same tokens' if equal else 'DIFFERENT'} "
@@ -621,8 +643,8 @@ def _rearm_row(args, device, label, path, res, keeper_start_s, kh):
                                  "health_check_s": kh["check_s"]},
                       "phases_s": {m: {k: med(m, k) for k in ("start_s", "server_weights_s", "health_s", "handles_s",
                                                               "update_s", "rearm_s", "first_token_s", "total_s")
-                                       if med(m, k) is not None} for m in ("checkpoint", "keeper")}})
-    row["reps"] = min(len(res["keeper"]), len(res["checkpoint"]))
+                                       if med(m, k) is not None} for m in ("keeper", base)}})
+    row["reps"] = min(len(res["keeper"]), len(res[base]))
     return row
 
 
@@ -845,6 +867,9 @@ def main(argv=None):
                    help="a short sampled generation on every new worker before it is used (auto: on for SGLang)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     p.add_argument("--rearm-reps", type=int, default=3, help="rearm part: restarts per mode and model")
+    p.add_argument("--rearm-cold-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="rearm part: also restarts whose checkpoint was evicted from the page cache first "
+                        "(posix_fadvise DONTNEED): a second baseline row")
     p.add_argument("--rearm-presets", default="tiny,small",
                    help="rearm part, embedded engine: checkpoints (tiny: the steered tiny model; small: 77M "
                         "parameters, 296 MiB fp32, made here)")
