@@ -459,7 +459,8 @@ def bench_engine(args, workdir, device, save=None):
 
 
 # ---------------------------------------------------------------------------------- re-arm (keeper)
-REARM_MECHANISM = "GPU state reuse (torch_memory_saver / CUDA IPC): weight keeper + dummy start + update_weights_from_tensor"
+REARM_MECHANISM = ("GPU state reuse (torch_memory_saver / CUDA IPC): weight keeper + dummy start + "
+                   "update_weights_from_tensor")
 
 
 def _server_weights_s(server):
@@ -932,7 +933,8 @@ def main(argv=None):
         save()
     if "rearm" in parts:
         def save_rearm(rows, detail):
-            state["rows"] = [x for x in state["rows"] if x.get("part") != "rearm"] + [dict(x, part="rearm") for x in rows]
+            state["rows"] = ([x for x in state["rows"] if x.get("part") != "rearm"]
+                             + [dict(x, part="rearm") for x in rows])
             state["rearm_reps"] = detail
             save()
         save_rearm(*bench_rearm(args, workdir, device, save=save_rearm))
@@ -1044,7 +1046,8 @@ def plot(json_path, png_path):
     def row_label(r):
         other = " (baseline: other kill target)" if "baseline measured with the other kill target" in \
             (r.get("note") or "") else ""
-        return f"{tag(r)}{r['fault']}\n{r['mechanism']}\nvs {r['baseline']}{other} [{r.get('reps')} rep(s)]"
+        model = f", model {r['model']}" if r.get("model") else ""
+        return f"{tag(r)}{r['fault']}{model}\n{r['mechanism']}\nvs {r['baseline']}{other} [{r.get('reps')} rep(s)]"
 
     def times(x):
         return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"

@@ -170,7 +170,8 @@ class EmbeddedEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         log.info("%s: %s %s (%s, %.1fM parameters, vocab %d, eos %s) in %.1f s, weight version %s, "
                  "torch threads %d", ENGINE_NAME,
-                 "loaded" if self.weights_loaded else "built without weights (--load-format dummy) from", model_path, type(self.model).__name__,
+                 "loaded" if self.weights_loaded else "built without weights (--load-format dummy) from", model_path,
+                 type(self.model).__name__,
                  sum(p.numel() for p in self.model.parameters()) / 1e6, self.vocab_size, sorted(self.eos_ids),
                  time.perf_counter() - t0, weight_version, torch.get_num_threads())
 
