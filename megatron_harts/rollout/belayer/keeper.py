@@ -123,9 +123,10 @@ class _Store:
                                "bytes": sum(t.numel() * t.element_size() for t in tensors), "pid": os.getpid()}
         try:
             if self.device.startswith("cuda"):
-                torch.cuda.synchronize()
-                free, total = torch.cuda.mem_get_info()
-                rep["gpu"] = {"name": torch.cuda.get_device_name(), "free_bytes": free, "total_bytes": total}
+                dev = torch.device(self.device)       # handler threads do not inherit set_device
+                torch.cuda.synchronize(dev)
+                free, total = torch.cuda.mem_get_info(dev)
+                rep["gpu"] = {"name": torch.cuda.get_device_name(dev), "free_bytes": free, "total_bytes": total}
             if deep:
                 now = self.ipc.fingerprint(tensors)
                 bad = [i for i, (a, b) in enumerate(zip(now, sums)) if a != b]
