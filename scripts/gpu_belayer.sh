@@ -14,8 +14,9 @@
 # unmeasured checkpoint start (compile caches, reference output). Phases: process start (SGLang's own
 # "Load weight end. elapsed" from its log), keeper health check + handles + update, first token; the
 # re-armed worker's greedy tokens / log-probs vs the reference. 1 + 2 * REARM_REPS SGLang starts, one at a
-# time (~40-60 s each after the first): ~420 s at 3 reps; BUDGET cuts the reps that would not fit. Writes
-# $OUT/belayer_h200_rearm.json; merge with
+# time (~40-60 s each after the first): ~420 s at 3 reps; BUDGET cuts the reps that would not fit.
+# REARM_COLD=1 adds a third mode per rep (checkpoint evicted from the page cache first): 1 + 3 * REARM_REPS
+# starts, so REARM_REPS=2 in one call. Writes $OUT/belayer_h200_rearm.json; merge with
 #   python scripts/bench_belayer.py --merge-rows out/belayer/belayer_h200_rearm.json --out docs/benchmarks/belayer.json
 # Needs SGLang in /tmp/site (scripts/device/install_sglang.sh, see docs/rollout.md); MODE=full also
 # bubblewrap on PATH (environment rows). Makes a random small-moe Qwen3-Next checkpoint (bf16, steered so
@@ -96,6 +97,7 @@ json.dump(st, open('$CK/belayer_tiny.json', 'w'))
     stamp "rearm bench: ${left} s left"
     timeout --kill-after=10 "$(( left - 5 ))" python3 scripts/bench_belayer.py "${common[@]}" --parts rearm \
       --rearm-reps "${REARM_REPS:-3}" --deadline-s "$(( left - 25 ))" --startup-estimate-s 60 \
+      "$([ "${REARM_COLD:-0}" = 1 ] && echo --rearm-cold-cache || echo --no-rearm-cold-cache)" \
       --out "$OUT/belayer_h200_rearm.json" "$@"
     stamp "bench exit $?"
   elif [ "$MODE" = quick ]; then
