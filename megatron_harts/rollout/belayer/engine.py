@@ -293,14 +293,16 @@ class Supervisor:
         except KeeperError as e:
             rec["reason"] = str(e)
         else:
-            server = self._start_dummy(path, version)
-            rec["start_s"] = time.monotonic() - t0
+            server = None
             try:
+                server = self._start_dummy(path, version)
+                rec["start_s"] = time.monotonic() - t0
                 rec.update(self.keeper.rearm(server.engine(**self.engine_kw), version))
-            except EngineError as e:              # KeeperError / StaleWeights too
+            except EngineError as e:              # the dummy start failed, KeeperError / StaleWeights, refused
                 rec["reason"] = str(e)
                 try:
-                    server.stop()
+                    if server is not None:
+                        server.stop()
                 except Exception as e2:     # noqa: BLE001 - best effort; the checkpoint start follows
                     log.debug("stopping the un-armed server: %s", e2)
             else:
