@@ -21,6 +21,14 @@ the steps that would not fit; ``--out`` is rewritten after every step.
 * baseline ``abort-and-resubmit``: on the shadow, but the request starts over from its prompt:
   time until it has regenerated the lost tokens and produced the next one.
 
+Re-arm rows (``--parts rearm``; GPU state reuse, the weight keeper of ``belayer/keeper.py``): a
+replacement worker started from the checkpoint vs one started with ``--load-format dummy`` and
+re-armed from a keeper process that owns the weights (CPU shared memory with the embedded engine;
+CUDA IPC with SGLang), ``--rearm-reps`` of each alternated, per model (``--rearm-presets`` on CPU,
+``--model-path`` with SGLang); phases: process start (with the server's own weight load), keeper
+health check + handles + ``/update_weights_from_tensor``, first token; every re-armed worker's
+greedy tokens and log-probs are compared with a checkpoint worker's. Detail: ``rearm_reps``.
+
 Environment rows (real bubblewrap + overlayfs sandboxes, scripted episodes of ``code_repair`` and
 ``lookup``): the sandbox is destroyed before the last action; recovery: restore from the newest
 checkpoint + replay of the commands since (checkpoints every turn, overlapped); baseline: a fresh
@@ -94,10 +102,11 @@ def _plan(args):
             + [("cold", args.kill)] * max(1, args.cold_reps))
 
 
-def _server_factory(args, workdir, state=None, registry=None):
+def _server_factory(args, workdir, state=None, registry=None, load_format=None):
     """``start(path, version)`` for the Supervisor. ``state["engine_args"]``: the SGLang flags now
     in use (the fallback may replace them); ``registry``: every server made, to stop at the end
-    those still starting."""
+    those still starting; ``load_format``: ``dummy`` for a server that does not read the checkpoint
+    (re-armed from a weight keeper)."""
     from megatron_harts.rollout.engines import EmbeddedServer
 
     state = state if state is not None else {"engine_args": args.engine_args}
@@ -111,10 +120,11 @@ def _server_factory(args, workdir, state=None, registry=None):
             if "--enable-deterministic-inference" not in extra:
                 extra.append("--enable-deterministic-inference")
             server = EmbeddedServer(path, weight_version=version, threads=args.threads, log_path=logp,
-                                    extra_args=extra)
+                                    extra_args=extra, load_format=load_format)
         else:
             server = _TrackedSGLang(path, weight_version=version, log_path=logp, extra_args=extra,
-                                    grace=args.grace_s, startup_timeout=args.startup_timeout_s)
+                                    grace=args.grace_s, startup_timeout=args.startup_timeout_s,
+                                    load_format=load_format)
         if registry is not None:
             registry.append(server)
         return server.start()
@@ -265,11 +275,7 @@ def _engine_rows(args, res, steps_meta, device):
                     base, note = other, base_note + f"; baseline measured with the other kill target"
             rows.append(_row(fault, "shadow promoted + prefix resume", res[("shadow", target)], baseline, base,
                              device=device, note=note))
-    rows.append({"fault": "engine worker SIGKILL", "mechanism": "GPU state reuse (torch_memory_saver / CUDA IPC)",
-                 "recovery_s": None, "baseline": None, "baseline_s": None, "speedup": None, "lost_trajectories": None,
-                 "overhead_pct": None, "reps": 0, "spread": None, "device": device,
-                 "note": "not built" + (" (not measurable on CPU)" if args.engine == "embedded" else "")})
-    return rows
+    return rows        # GPU state reuse (the weight keeper): --parts rearm
 
 
 def bench_engine(args, workdir, device, save=None):
@@ -450,6 +456,197 @@ def bench_engine(args, workdir, device, save=None):
         snapshot()
         phase("engine part done")
     return _engine_rows(args, res, meta, device), detail, meta
+
+
+# ---------------------------------------------------------------------------------- re-arm (keeper)
+REARM_MECHANISM = ("GPU state reuse (torch_memory_saver / CUDA IPC): weight keeper + dummy start + "
+                   "update_weights_from_tensor")
+
+
+def _server_weights_s(server):
+    """Seconds the server itself reports for building the model and loading its weights: the
+    embedded server's ``/server_info`` ``weights_load_s``; SGLang's log line ``Load weight end.
+    elapsed=X s`` (None when the version does not print it)."""
+    import re
+    try:
+        if getattr(server, "kind", "") == "embedded":
+            import http.client
+            conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+            conn.request("GET", "/server_info")
+            info = json.loads(conn.getresponse().read())
+            conn.close()
+            return info.get("weights_load_s")
+        text = Path(server.log_path).read_text(errors="replace") if server.log_path else ""
+        m = re.findall(r"Load weight end\..*?elapsed=([0-9.]+) s", text)
+        return float(m[-1]) if m else None
+    except Exception as e:  # noqa: BLE001 - a missing phase is recorded as None
+        log.warning("weight-load time of %s not available: %s", server.url, e)
+        return None
+
+
+def _drop_page_cache(path):
+    """Evict the checkpoint's safetensors files from the OS page cache (``posix_fadvise``
+    ``DONTNEED``, unprivileged, this file only): the next read comes from the disk, as for a
+    worker on a node that has not read the checkpoint recently."""
+    for f in Path(path).glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _ckpt_bytes(path):
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def _rearm_models(args, workdir):
+    """``[(label, checkpoint)]``: ``--model-path`` (SGLang), else the tiny model already made and
+    the CPU ``--rearm-presets`` beyond it (a bigger checkpoint: a weight load that is not noise)."""
+    from megatron_harts.rollout.belayer.tiny import make_tiny_checkpoint
+
+    if args.engine == "sglang":
+        return [(Path(args.model_path).name, args.model_path)]
+    out = []
+    for preset in args.rearm_presets.split(","):
+        if preset == "tiny":
+            out.append(("tiny", args.model_path))
+        else:
+            out.append((preset, make_tiny_checkpoint(Path(workdir) / f"rearm-{preset}", preset=preset, call_prob=1e-4,
+                                                     eos_prob=1e-4)["path"]))
+    return out
+
+
+def bench_rearm(args, workdir, device, save=None):
+    """A replacement worker started from the checkpoint vs started with ``--load-format dummy``
+    and re-armed from a weight keeper, alternated ``--rearm-reps`` times per model. Phases (s):
+    ``start_s`` (process start until ``/health``: for the checkpoint start it includes the
+    server's own weight load, ``server_weights_s``), ``rearm_s`` (keeper health check + handles +
+    ``/update_weights_from_tensor``: ``health_s``, ``handles_s``, ``update_s``), ``first_token_s``
+    (a one-token greedy request of ``--prompt-len`` tokens); ``total_s`` = their sum. Every re-armed
+    worker's greedy 16 tokens and log-probs are compared with those of a checkpoint worker started
+    first, unmeasured (on a GPU it also fills the compile caches a first start pays for). With
+    ``--rearm-cold-cache`` a third mode, ``checkpoint_cold``, evicts the checkpoint from the page
+    cache before its start (a second baseline). The modes take turns going first. Returns (rows,
+    detail)."""
+    from megatron_harts.rollout.belayer.keeper import start_keeper
+    from megatron_harts.rollout.types import SamplingParams
+
+    t0 = time.monotonic()
+    deadline = t0 + args.deadline_s if args.deadline_s else None
+    registry = []
+    state = {"engine_args": args.engine_args}
+    start_ck = _server_factory(args, workdir, state, registry)
+    start_dm = _server_factory(args, workdir, state, registry, load_format="dummy")
+    prompt = [1] + [40 + i % 50 for i in range(args.prompt_len - 1)]
+    first = SamplingParams(max_new_tokens=1, temperature=0.0, stop_token_ids=[])
+    check = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[])
+    keeper_device = "cpu" if args.engine == "embedded" else "cuda:0"
+    rows, detail = [], []
+    ekw = {"timeout": args.request_timeout_s, "retries": 0}
+
+    def phase(msg, *a):
+        log.info("[rearm +%6.1f s] " + msg, time.monotonic() - t0, *a)
+
+    for label, path in _rearm_models(args, workdir):
+        keeper = None
+        modes = ["checkpoint", "keeper"] + (["checkpoint_cold"] if args.rearm_cold_cache else [])
+        res = {m: [] for m in modes}
+        ref = None
+        longest = {m: args.startup_estimate_s for m in modes}
+        try:
+            tk = time.monotonic()
+            keeper = start_keeper(path, "v0", device=keeper_device, log_path=str(Path(args.log_dir or workdir)
+                                                                               / f"keeper-{time.time_ns()}.log"))
+            keeper_start_s = time.monotonic() - tk
+            kh = keeper.health()
+            phase("%s: keeper up in %.2f s (%d tensors, %.1f MiB on %s, health check %.4f s)", label, keeper_start_s,
+                  kh["num_tensors"], kh["bytes"] / 2**20, kh["device"], kh["check_s"])
+            srv = start_ck(path, "v0")      # unmeasured: fills compile caches (SGLang), gives the reference
+            try:
+                ref = srv.engine(**ekw).generate(prompt, check)
+            finally:
+                srv.stop()
+            phase("%s: reference worker (checkpoint, not measured): %d greedy tokens", label, len(ref.output_ids))
+            for rep in range(args.rearm_reps):
+                for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:     # each first in turn
+                    if deadline is not None and time.monotonic() + 1.3 * longest[mode] + 10 > deadline:
+                        phase("%s: deadline: skipping %s rep %d and the rest", label, mode, rep)
+                        break
+                    if mode == "checkpoint_cold":
+                        _drop_page_cache(path)
+                    ts = time.monotonic()
+                    server = (start_dm if mode == "keeper" else start_ck)(path, "v0")
+                    try:
+                        r = {"model": label, "mode": mode, "rep": rep, "start_s": time.monotonic() - ts,
+                             "server_weights_s": _server_weights_s(server)}
+                        eng = server.engine(**ekw)
+                        if mode == "keeper":
+                            r.update(keeper.rearm(eng, "v0"))
+                        t1 = time.monotonic()
+                        eng.generate(prompt, first)
+                        r["first_token_s"] = time.monotonic() - t1
+                        r["total_s"] = time.monotonic() - ts
+                        g = eng.generate(prompt, check)
+                        r["same_tokens"] = g.output_ids == ref.output_ids
+                        r["max_abs_logprob_diff"] = (max(abs(a - b) for a, b in zip(g.logprobs, ref.logprobs))
+                                                     if r["same_tokens"] and g.logprobs else None)
+                    finally:
+                        server.stop()
+                    longest[mode] = max(longest[mode], r["total_s"]) if rep else r["total_s"]
+                    res[mode].append(r)
+                    detail.append(r)
+                    phase("%s rep %d %s: start %.2f s (server weights %s s)%s, first token %.3f s, total %.2f s, "
+                          "output %s", label, rep, mode, r["start_s"], _fmt(r["server_weights_s"]),
+                          f", re-arm {r['rearm_s']:.3f} s" if mode == "keeper" else "", r["first_token_s"],
+                          r["total_s"], "equal" if r["same_tokens"] and not r["max_abs_logprob_diff"] else
+                          f"tokens {'equal' if r['same_tokens'] else 'DIFFER'}, max |dlogprob| "
+                          f"{_fmt(r['max_abs_logprob_diff'])}")
+                else:
+                    continue
+                break
+        finally:
+            if keeper is not None:
+                keeper.stop()
+            _reap(registry)
+        for base in modes[:1] + modes[2:]:
+            if res["keeper"] and res[base]:
+                rows.append(_rearm_row(args, device, label, path, res, keeper_start_s, kh, base))
+        if save is not None:
+            save(rows, detail)
+    return rows, detail
+
+
+def _rearm_row(args, device, label, path, res, keeper_start_s, kh, base="checkpoint"):
+    def med(mode, key):
+        xs = [r[key] for r in res[mode] if r.get(key) is not None]
+        return statistics.median(xs) if xs else None
+    paired = [c["total_s"] - k["total_s"] for c, k in zip(res[base], res["keeper"])]
+    equal = all(r["same_tokens"] for r in res["keeper"])
+    exact = equal and all(not r["max_abs_logprob_diff"] for r in res["keeper"])
+    transport = "CPU shared memory" if args.engine == "embedded" else "CUDA IPC"
+    row = _row("engine worker SIGKILL (replacement start, no shadow)", REARM_MECHANISM,
+               [r["total_s"] for r in res["keeper"]],
+               "restart loading the checkpoint" + (" (its page cache dropped first)" if base == "checkpoint_cold" else
+                                                   " (in the page cache)"),
+               [r["total_s"] for r in res[base]], device=device,
+               note=(f"{args.engine}, model {label} ({_ckpt_bytes(path) / 2**20:.1f} MiB of safetensors); transport "
+                     f"{transport}; recovery_s / baseline_s: server start -> first token (detection not included); "
+                     f"re-armed outputs {'bit-identical' if exact else 'same tokens' if equal else 'DIFFERENT'} "
+                     f"(greedy 16 tokens and log-probs vs the checkpoint worker)"),
+               extra={"model": label, "checkpoint_bytes": _ckpt_bytes(path),
+                      "saved_s": statistics.median(paired) if paired else None,
+                      "saved_s_spread": [min(paired), max(paired)] if paired else None,
+                      "outputs_equal": equal, "outputs_bit_identical": exact,
+                      "max_abs_logprob_diff": max((r["max_abs_logprob_diff"] or 0.0) for r in res["keeper"]),
+                      "keeper": {"start_s": keeper_start_s, "device": kh["device"], "bytes": kh["bytes"],
+                                 "health_check_s": kh["check_s"]},
+                      "phases_s": {m: {k: med(m, k) for k in ("start_s", "server_weights_s", "health_s", "handles_s",
+                                                              "update_s", "rearm_s", "first_token_s", "total_s")
+                                       if med(m, k) is not None} for m in ("keeper", base)}})
+    row["reps"] = min(len(res["keeper"]), len(res[base]))
+    return row
 
 
 # ---------------------------------------------------------------------------------- environment
@@ -670,7 +867,14 @@ def main(argv=None):
     p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="a short sampled generation on every new worker before it is used (auto: on for SGLang)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
-    p.add_argument("--parts", default="engine,env,overhead")
+    p.add_argument("--rearm-reps", type=int, default=3, help="rearm part: restarts per mode and model")
+    p.add_argument("--rearm-cold-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="rearm part: also restarts whose checkpoint was evicted from the page cache first "
+                        "(posix_fadvise DONTNEED): a second baseline row")
+    p.add_argument("--rearm-presets", default="tiny,small",
+                   help="rearm part, embedded engine: checkpoints (tiny: the steered tiny model; small: 77M "
+                        "parameters, 296 MiB fp32, made here)")
+    p.add_argument("--parts", default="engine,env,overhead", help="any of engine, env, overhead, rearm")
     p.add_argument("--out", default="docs/benchmarks/belayer.json")
     args = p.parse_args(argv)
     if args.merge_rows:
@@ -684,8 +888,8 @@ def main(argv=None):
         plot(args.out, args.plot)
         return 0
     parts = set(args.parts.split(","))
-    if not parts <= {"engine", "env", "overhead"}:
-        p.error(f"--parts: unknown part(s) {sorted(parts - {'engine', 'env', 'overhead'})}")
+    if not parts <= set(_PARTS):
+        p.error(f"--parts: unknown part(s) {sorted(parts - set(_PARTS))} (known: {', '.join(_PARTS)})")
     if args.kill_at < 1 or args.kill_at >= args.max_new_tokens:
         p.error("--kill-at must be in [1, --max-new-tokens)")
     if args.engine == "sglang" and not args.model_path:
@@ -709,7 +913,7 @@ def main(argv=None):
         args.overhead_model_path = (make_tiny_checkpoint(Path(workdir) / "calls", call_prob=0.15, eos_prob=0.02)["path"]
                                     if args.engine == "embedded" else args.model_path)
     cmd = "python scripts/bench_belayer.py " + " ".join(argv or sys.argv[1:])
-    state = {"rows": [], "detail": [], "meta": None}
+    state = {"rows": [], "detail": [], "meta": None, "rearm_reps": None}
 
     def save(engine_rows=None, detail=None, meta=None):
         """Write --out with everything measured so far (after every engine step and every part)."""
@@ -717,7 +921,7 @@ def main(argv=None):
             state["rows"] = [dict(x, part="engine") for x in engine_rows] + \
                 [x for x in state["rows"] if x.get("part") != "engine"]
             state["detail"], state["meta"] = detail, meta
-        _write(args, parts, cmd, device, state["rows"], state["detail"], state["meta"])
+        _write(args, parts, cmd, device, state["rows"], state["detail"], state["meta"], state["rearm_reps"])
 
     if "engine" in parts:
         save(*bench_engine(args, workdir, device, save=save))
@@ -727,6 +931,13 @@ def main(argv=None):
     if "overhead" in parts:
         state["rows"] += [dict(x, part="overhead") for x in bench_overhead(args, workdir, device)]
         save()
+    if "rearm" in parts:
+        def save_rearm(rows, detail):
+            state["rows"] = ([x for x in state["rows"] if x.get("part") != "rearm"]
+                             + [dict(x, part="rearm") for x in rows])
+            state["rearm_reps"] = detail
+            save()
+        save_rearm(*bench_rearm(args, workdir, device, save=save_rearm))
     if args.plot:
         plot(args.out, args.plot)
     for r in state["rows"]:
@@ -736,10 +947,12 @@ def main(argv=None):
     return 0
 
 
-def _write(args, parts, cmd, device, rows, detail, meta):
+def _write(args, parts, cmd, device, rows, detail, meta, rearm_detail=None):
     out = {"device": device, "commands": {p_: cmd for p_ in parts}, "rows": rows, "engine_reps": detail}
     if meta is not None:
         out["engine_run"] = meta
+    if rearm_detail is not None:
+        out["rearm_reps"] = rearm_detail
     if args.merge and Path(args.out).is_file():
         old = json.loads(Path(args.out).read_text())
         kind = _device_kind(device)
@@ -753,13 +966,22 @@ def _write(args, parts, cmd, device, rows, detail, meta):
             out["engine_reps"] = old.get("engine_reps", [])
             if "engine_run" in old:
                 out["engine_run"] = old["engine_run"]
+        if "rearm" not in parts and "rearm_reps" in old:
+            out["rearm_reps"] = old["rearm_reps"]
+    out["rows"] = _sorted_rows([r for r in out["rows"] if not _placeholder(r)])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(str(args.out) + ".tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")
     os.replace(tmp, args.out)          # a reader (or a kill) never sees half a file
 
 
-_PARTS = ["engine", "env", "overhead"]
+_PARTS = ["engine", "env", "overhead", "rearm"]
+
+
+def _placeholder(r):
+    """The empty "GPU state reuse" row the engine part wrote before the rearm part existed."""
+    return r.get("part", "engine") == "engine" and str(r.get("mechanism", "")).startswith("GPU state reuse") \
+        and not r.get("reps")
 
 
 def _device_kind(device):
@@ -784,9 +1006,10 @@ def merge_rows(src, out):
     replaced = {(r["part"], _device_kind(r["device"])) for r in new}
     keep = [r for r in d["rows"]
             if (r.get("part", "engine"), _device_kind(r.get("device") or d.get("device"))) not in replaced]
-    d["rows"] = _sorted_rows(keep + new)
+    d["rows"] = _sorted_rows([r for r in keep + new if not _placeholder(r)])
     d.setdefault("merged", {})[str(src)] = {"merged_by": f"python scripts/bench_belayer.py --merge-rows {src} --out {out}",
-                                            **{k: s[k] for k in ("device", "commands", "engine_run") if k in s}}
+                                            **{k: s[k] for k in ("device", "commands", "engine_run", "rearm_reps")
+                                               if k in s}}
     tmp = Path(str(out) + ".tmp")
     tmp.write_text(json.dumps(d, indent=1) + "\n")
     os.replace(tmp, out)
@@ -823,7 +1046,8 @@ def plot(json_path, png_path):
     def row_label(r):
         other = " (baseline: other kill target)" if "baseline measured with the other kill target" in \
             (r.get("note") or "") else ""
-        return f"{tag(r)}{r['fault']}\n{r['mechanism']}\nvs {r['baseline']}{other} [{r.get('reps')} rep(s)]"
+        model = f", model {r['model']}" if r.get("model") else ""
+        return f"{tag(r)}{r['fault']}{model}\n{r['mechanism']}\nvs {r['baseline']}{other} [{r.get('reps')} rep(s)]"
 
     def times(x):
         return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"

@@ -6,6 +6,18 @@
 # decode graphs (batch 1-8), a 150 s first-start limit leaves time for the fallback, and BUDGET is 450.
 #   bash scripts/gpu_belayer.sh [extra bench_belayer.py args]            quick (default): one device call
 #   MODE=full bash scripts/gpu_belayer.sh                                 the full set: ~15-30 min, not one call
+#   MODE=rearm bash scripts/gpu_belayer.sh                                GPU state reuse: one device call
+# MODE=rearm (bench_belayer.py --parts rearm): a weight keeper process holds the checkpoint's tensors on
+# cuda:0; a replacement SGLang worker started with --load-format dummy (random weights, no checkpoint
+# read) is re-armed through SGLang's POST /update_weights_from_tensor with CUDA IPC handles of the
+# keeper's tensors, vs a worker started from the checkpoint; REARM_REPS (3) of each alternated, after one
+# unmeasured checkpoint start (compile caches, reference output). Phases: process start (SGLang's own
+# "Load weight end. elapsed" from its log), keeper health check + handles + update, first token; the
+# re-armed worker's greedy tokens / log-probs vs the reference. 1 + 2 * REARM_REPS SGLang starts, one at a
+# time (~40-60 s each after the first): ~420 s at 3 reps; BUDGET cuts the reps that would not fit.
+# REARM_COLD=1 adds a third mode per rep (checkpoint evicted from the page cache first): 1 + 3 * REARM_REPS
+# starts, so REARM_REPS=2 in one call. Writes $OUT/belayer_h200_rearm.json; merge with
+#   python scripts/bench_belayer.py --merge-rows out/belayer/belayer_h200_rearm.json --out docs/benchmarks/belayer.json
 # Needs SGLang in /tmp/site (scripts/device/install_sglang.sh, see docs/rollout.md); MODE=full also
 # bubblewrap on PATH (environment rows). Makes a random small-moe Qwen3-Next checkpoint (bf16, steered so
 # that <eos> has p ~ 1e-6 per token: SGLang stops at the config's eos_token_id whatever the request's
@@ -79,7 +91,16 @@ json.dump(st, open('$CK/belayer_tiny.json', 'w'))
   fi
   local common=(--engine sglang --model-path "$CK" --engine-args "$ENGINE_ARGS" --fallback-engine-args "$FALLBACK_ARGS"
                 --kill-at 200 --max-new-tokens 320 --log-dir "$LOGS" --startup-timeout-s ${START_TIMEOUT:-150})
-  if [ "$MODE" = quick ]; then
+  if [ "$MODE" = rearm ]; then
+    local left=$(( BUDGET - ($(date +%s) - T0) ))
+    [ "$left" -ge 150 ] || { stamp "only ${left} s left of BUDGET=${BUDGET}: not starting the bench"; return 1; }
+    stamp "rearm bench: ${left} s left"
+    timeout --kill-after=10 "$(( left - 5 ))" python3 scripts/bench_belayer.py "${common[@]}" --parts rearm \
+      --rearm-reps "${REARM_REPS:-3}" --deadline-s "$(( left - 25 ))" --startup-estimate-s 60 \
+      "$([ "${REARM_COLD:-0}" = 1 ] && echo --rearm-cold-cache || echo --no-rearm-cold-cache)" \
+      --out "$OUT/belayer_h200_rearm.json" "$@"
+    stamp "bench exit $?"
+  elif [ "$MODE" = quick ]; then
     local left=$(( BUDGET - ($(date +%s) - T0) ))
     [ "$left" -ge 150 ] || { stamp "only ${left} s left of BUDGET=${BUDGET}: not starting the bench"; return 1; }
     stamp "bench: ${left} s left (engine deadline $(( left - 25 )) s)"

@@ -10,10 +10,24 @@
   a trajectory back to the turn its environment was restored to);
 * :mod:`.faults`: fault injection (SIGKILL of engine servers and sandbox commands, hung and
   garbage-printing tools, lost sandboxes) and the checker (every trajectory replayed in a fresh
-  environment, compared with a fault-free rollout).
+  environment, compared with a fault-free rollout);
+* :mod:`.keeper`: a weight keeper process (:class:`Keeper`) that owns the current weights (CUDA
+  memory shareable by CUDA IPC, or CPU shared memory), survives a worker's death and re-arms a
+  replacement started without reading the checkpoint.
 
 See docs/belayer.md.
 """
 from .engine import FailoverEvent, RequestRecord, ResumableEngine, Segment, Supervisor, TokenLog, Worker
 
-__all__ = ["FailoverEvent", "RequestRecord", "ResumableEngine", "Segment", "Supervisor", "TokenLog", "Worker"]
+_KEEPER_NAMES = ("Keeper", "KeeperError", "StaleWeights", "start_keeper")
+
+
+def __getattr__(name):        # lazy: `python -m ...belayer.keeper` must not import keeper twice
+    if name in _KEEPER_NAMES:
+        from . import keeper
+        return getattr(keeper, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["FailoverEvent", "Keeper", "KeeperError", "RequestRecord", "ResumableEngine", "Segment", "StaleWeights",
+           "Supervisor", "TokenLog", "Worker", "start_keeper"]

@@ -18,6 +18,10 @@ Pieces (each behind the :class:`~megatron_harts.rollout.types.Engine` protocol o
   whose scheduler died, gets a broken connection and resumes on the shadow now, not when the
   server exits by itself), it is reaped and a new shadow is started in the background. With no
   shadow ready the slot waits for one being started, or cold-starts a server (the baseline).
+  With a weight keeper (``Supervisor(keeper=..., start_dummy=...)``, off by default; :mod:`.keeper`)
+  a new worker does not read the checkpoint: it starts with dummy weights and is re-armed from the
+  keeper's memory (CUDA IPC / shared memory) after a health check of the keeper; a dead, unhealthy
+  or stale keeper falls back to the checkpoint.
 * :class:`ResumableEngine`: the ``Engine`` the agent loop sees for one slot. ``generate`` streams
   (``HttpEngine.generate_stream``), logging tokens as they arrive; when the worker fails mid-request
   it continues on the slot's replacement with ``input_ids = prompt + generated so far`` and
@@ -201,15 +205,33 @@ class Supervisor:
     SGLang server given SIGTERM drains its requests, which a dead scheduler never finishes).
     The price of True: a worker declared failed by mistake (``/health`` slow twice under load and
     once more on the re-check) loses its in-flight requests, which then resume on the new worker.
+
+    ``keeper`` (default None: off): a :class:`~.keeper.Keeper` that owns the current weights in a
+    process of its own; with it every new worker (shadow or cold start) is started by
+    ``start_dummy(model_path, version)`` (a server that does not read the checkpoint: SGLang's or
+    the embedded engine's ``--load-format dummy``) and re-armed from the keeper
+    (:meth:`~.keeper.Keeper.rearm`: health check of the keeper and its GPU, handles at the
+    supervisor's weight version, ``/update_weights_from_tensor``). When the keeper is dead,
+    unhealthy or holds another version (refused, never served), or the worker refuses the
+    tensors, the worker is started by ``start_server`` instead (the checkpoint); ``rearms`` records
+    every start made with a keeper configured (``{"how": "keeper" | "checkpoint", "reason",
+    "start_s", "health_s", "handles_s", "update_s", "rearm_s"}``, seconds).
+    :meth:`update_weights_from_disk` also moves the keeper to the new checkpoint. The supervisor
+    does not start or stop the keeper.
     """
 
     def __init__(self, start_server: Callable[[str, str | None], Any], model_path: str, version: str | None = None,
                  *, num_active: int = 1, num_shadows: int = 1, health_interval_s: float = 0.5,
                  engine_kw: dict | None = None, failover_timeout_s: float = 600.0, parallel_start: bool = True,
-                 warmup: Callable[[HttpEngine], Any] | None = None, kill_failed: bool = True):
+                 warmup: Callable[[HttpEngine], Any] | None = None, kill_failed: bool = True,
+                 keeper: Any = None, start_dummy: Callable[[str, str | None], Any] | None = None):
         if num_active < 1 or num_shadows < 0:
             raise ValueError(f"Supervisor needs num_active >= 1 and num_shadows >= 0, got {num_active}, {num_shadows}")
+        if keeper is not None and start_dummy is None:
+            raise ValueError("Supervisor: keeper needs start_dummy (a server start that does not read the checkpoint)")
         self._start_server = start_server
+        self.keeper, self._start_dummy = keeper, start_dummy
+        self.rearms: list[dict[str, Any]] = []
         self.model_path, self.version = str(model_path), version
         self.num_active, self.num_shadows = num_active, num_shadows
         self.health_interval_s = float(health_interval_s)
@@ -235,7 +257,7 @@ class Supervisor:
         with self._lock:
             path, version = self.model_path, self.version
         t0 = time.monotonic()
-        server = self._start_server(path, version)
+        server = self._start(path, version)
         w = Worker(server, server.engine(**self.engine_kw), version, time.monotonic() - t0,
                    f"w{next(self._ids)}@{server.url}")
         t_warm = time.monotonic()
@@ -254,6 +276,49 @@ class Supervisor:
             self._update_worker(w, self.model_path, self.version)
         log.info("belayer: worker %s up in %.2f s (weights %s)", w.name, secs, w.version)
         return w
+
+    def _start(self, path: str, version: str | None) -> Any:
+        """A started server at ``version``: re-armed from the keeper when there is one and it is
+        fit, else loaded from the checkpoint ``path`` (see the class doc)."""
+        if self.keeper is None:
+            return self._start_server(path, version)
+        from .keeper import KeeperError, StaleWeights
+
+        t0 = time.monotonic()
+        rec: dict[str, Any] = {"how": "checkpoint", "reason": None}
+        try:
+            held = self.keeper.health().get("weight_version")
+            if held != version:     # checked before a server is started for nothing
+                raise StaleWeights(f"keeper holds weight version {held!r}, the supervisor serves {version!r}")
+        except KeeperError as e:
+            rec["reason"] = str(e)
+        else:
+            server = None
+            try:
+                server = self._start_dummy(path, version)
+                rec["start_s"] = time.monotonic() - t0
+                rec.update(self.keeper.rearm(server.engine(**self.engine_kw), version))
+            except EngineError as e:              # the dummy start failed, KeeperError / StaleWeights, refused
+                rec["reason"] = str(e)
+                try:
+                    if server is not None:
+                        server.stop()
+                except Exception as e2:     # noqa: BLE001 - best effort; the checkpoint start follows
+                    log.debug("stopping the un-armed server: %s", e2)
+            else:
+                rec["how"] = "keeper"
+                with self._lock:
+                    self.rearms.append(rec)
+                log.info("belayer: worker at %s re-armed from the keeper (start %.2f s, re-arm %.3f s)",
+                         getattr(server, "url", "?"), rec["start_s"], rec["rearm_s"])
+                return server
+        log.warning("belayer: not re-armed from the keeper (%s); loading the checkpoint %s", rec["reason"], path)
+        t1 = time.monotonic()
+        server = self._start_server(path, version)
+        rec["start_s"] = time.monotonic() - t1
+        with self._lock:
+            self.rearms.append(rec)
+        return server
 
     def start(self) -> "Supervisor":
         """Start the active workers and the shadows (in parallel unless ``parallel_start`` is
@@ -479,6 +544,7 @@ class Supervisor:
         with self._lock:
             self.model_path, self.version = str(path), version
             workers = [w for w in self.slots if w is not None] + list(self.shadows)
+        keeper_f = self._pool.submit(self.keeper.load, str(path), version) if self.keeper is not None else None
         errors, stale = [], []
         for w, f in [(w, self._pool.submit(self._update_worker, w, str(path), version)) for w in workers]:
             try:
@@ -486,6 +552,12 @@ class Supervisor:
             except Exception as e:     # noqa: BLE001 - a dead active worker is the monitor's business
                 errors.append(f"{w.name}: {e}")
                 stale.append(w)
+        if keeper_f is not None:
+            try:
+                keeper_f.result()
+            except Exception as e:     # noqa: BLE001 - a stale keeper is refused at the next re-arm
+                log.warning("belayer: the keeper did not take weight version %s (%s): new workers load the "
+                            "checkpoint until it does", version, e)
         if errors:
             log.warning("belayer: weight update to %s failed on %s", version, errors)
         with self._cv:                 # a shadow that missed the update must never be promoted: replace it

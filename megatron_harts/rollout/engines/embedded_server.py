@@ -27,6 +27,10 @@ boundary until ``/continue_generation`` (mode ``abort``, SGLang's default, also 
 request); ``/update_weights_from_disk`` loads a checkpoint of the same architecture (strict: every
 parameter, no extra tensor) into the live model: when paused at once, otherwise after the running
 request and before the queued ones (SGLang waits for in-flight requests too);
+``/update_weights_from_tensor`` (SGLang's body: ``serialized_named_tensors``, handles made by
+:mod:`.tensor_ipc`, e.g. a weight keeper's shared memory) copies named tensors into the live model;
+with ``--load-format dummy`` the model is built from ``config.json`` without reading its weights
+and refuses generation until one of the two updates has loaded them;
 ``/release_memory_occupation`` and ``/resume_memory_occupation`` only record the state (they free
 nothing on the CPU); ``/flush_cache`` is a no-op (there is no prefix cache: ``cached_tokens`` is
 always 0).
@@ -126,8 +130,12 @@ class EmbeddedEngine:
 
     def __init__(self, model_path: str, weight_version: str | None = None, threads: int | None = None,
                  speculative=None, deterministic: bool = False, stream_interval: int = 1,
-                 incremental_stream: bool = False):
+                 incremental_stream: bool = False, load_format: str = "auto"):
         import torch
+
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        self.load_format = load_format
 
         if int(stream_interval) < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
@@ -144,7 +152,12 @@ class EmbeddedEngine:
         if threads:
             torch.set_num_threads(int(threads))
         t0 = time.perf_counter()
-        self.model = self._load(model_path)
+        self._model_class(model_path)                     # transformers' modeling code, imported once
+        self.import_s = time.perf_counter() - t0          # s
+        t1 = time.perf_counter()
+        self.model = self._load(model_path) if load_format == "auto" else self._load_dummy(model_path)
+        self.weights_loaded = load_format == "auto"      # dummy: refuse generation until weights arrive
+        self.weights_load_s = time.perf_counter() - t1    # model build (+ checkpoint read unless dummy), s
         self.model_path = model_path
         self.weight_version = weight_version
         self.deterministic = bool(deterministic)     # seeded draws keyed by (seed, position)
@@ -155,8 +168,10 @@ class EmbeddedEngine:
         import inspect
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        log.info("%s: loaded %s (%s, %.1fM parameters, vocab %d, eos %s) in %.1f s, weight version %s, "
-                 "torch threads %d", ENGINE_NAME, model_path, type(self.model).__name__,
+        log.info("%s: %s %s (%s, %.1fM parameters, vocab %d, eos %s) in %.1f s, weight version %s, "
+                 "torch threads %d", ENGINE_NAME,
+                 "loaded" if self.weights_loaded else "built without weights (--load-format dummy) from", model_path,
+                 type(self.model).__name__,
                  sum(p.numel() for p in self.model.parameters()) / 1e6, self.vocab_size, sorted(self.eos_ids),
                  time.perf_counter() - t0, weight_version, torch.get_num_threads())
 
@@ -186,7 +201,74 @@ class EmbeddedEngine:
         if bad:
             raise ValueError(f"checkpoint {path} does not match its model class: "
                              + "; ".join(f"{k} {sorted(map(str, v))[:5]}" for k, v in bad.items()))
+        # Fresh allocations instead of views of the memory-mapped safetensors file (8-byte aligned
+        # only): the CPU fp32 kernels take other code paths by alignment, and a model with the same
+        # weights at other addresses gave a decode-step log-prob differing in its last bits
+        # (measured: 1 of 16 steps). With this, a worker loaded from the checkpoint and one
+        # re-armed from a weight keeper (--load-format dummy) produce bit-identical outputs.
+        with self.torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                t.data = t.data.clone()
         return model.eval()
+
+    @staticmethod
+    def _model_class(path: str):
+        """The transformers class serving ``path`` (importing its modeling module: seconds, the
+        same for a checkpoint and a dummy start, kept out of ``weights_load_s``)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        return AutoModelForCausalLM._model_mapping[type(cfg)]
+
+    def _load_dummy(self, path: str):
+        """The model of ``path``'s ``config.json`` without reading its weights (``--load-format
+        dummy``, as SGLang's): parameters allocated but not initialised (transformers'
+        ``no_init_weights``); non-persistent buffers (rotary frequencies) are computed as usual.
+        Serves nothing until :meth:`load_tensors` has filled every parameter."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:          # older transformers: a random init (slower, same result once loaded)
+            import contextlib
+            no_init_weights = contextlib.nullcontext
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(cfg, dtype=self.torch.float32)
+        return model.eval()
+
+    def load_tensors(self, named, version: str | None) -> str:
+        """Copy ``[(name, tensor)]`` (checkpoint names; e.g. mapped from a weight keeper's shared
+        memory) into the live model's parameters and buffers, cast to their dtype; tag
+        ``version``. Every name must exist with the same shape; a model built with
+        ``--load-format dummy`` and not yet loaded needs every entry of its state dict (nothing
+        may stay uninitialised). Holds the step lock while copying."""
+        t0 = time.perf_counter()
+        sd = self.model.state_dict()
+        by_ptr: dict[int, list[str]] = {}           # tied weights: one storage, several names
+        for k, v in sd.items():
+            by_ptr.setdefault(v.data_ptr(), []).append(k)
+        names = {n for n, _ in named}
+        unknown = sorted(names - set(sd))
+        if unknown:
+            raise BadRequest(f"update_weights_from_tensor: {len(unknown)} name(s) not in the model, e.g. {unknown[:3]}")
+        bad = [(n, tuple(t.shape), tuple(sd[n].shape)) for n, t in named if tuple(t.shape) != tuple(sd[n].shape)]
+        if bad:
+            raise BadRequest(f"update_weights_from_tensor: shape mismatch, e.g. {bad[0][0]} {bad[0][1]} vs {bad[0][2]}")
+        if not self.weights_loaded:
+            missing = [ks for ks in by_ptr.values() if not names & set(ks)]
+            if missing:
+                raise BadRequest(f"update_weights_from_tensor: the dummy-loaded model needs every tensor; "
+                                 f"{len(missing)} missing, e.g. {missing[0][0]}")
+        with self._step_lock, self.torch.no_grad():
+            for n, t in named:
+                sd[n].copy_(t)
+            self.weights_loaded = True
+            if version is not None:
+                self.weight_version = version
+        self.weights_load_s = time.perf_counter() - t0
+        msg = f"Succeeded to update {len(named)} tensors in {self.weights_load_s:.3f} s."
+        log.info("%s (weight version %s)", msg, self.weight_version)
+        return msg
 
     def _eos_ids(self) -> frozenset:
         ids: set[int] = set()
@@ -229,6 +311,7 @@ class EmbeddedEngine:
             if missing or unexpected:     # cannot happen for the same class; refuse rather than half-load
                 raise BadRequest(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
             self.model_path, self.weight_version = path, version if version is not None else self.weight_version
+            self.weights_loaded = True
         del new, sd
         msg = f"Succeeded to update model weights from {path} in {time.perf_counter() - t0:.2f} s."
         log.info("%s (weight version %s)", msg, self.weight_version)
@@ -238,6 +321,9 @@ class EmbeddedEngine:
 
     def parse(self, body: dict) -> _Request:
         """A ``/generate`` body -> a queued-to-be request (raises :class:`BadRequest`)."""
+        if not self.weights_loaded:
+            raise BadRequest("no weights loaded (started with --load-format dummy): POST /update_weights_from_tensor "
+                             "or /update_weights_from_disk first")
         ids = body.get("input_ids")
         if ids is None:
             raise BadRequest("input_ids is required (the embedded engine has no tokenizer)")
@@ -643,6 +729,8 @@ class _Handler(BaseHTTPRequestHandler):
         eng = self.engine
         self._send(200, {"engine": ENGINE_NAME, "version": "embedded", "model_path": eng.model_path,
                          "weight_version": eng.weight_version, "paused": eng.paused,
+                         "load_format": eng.load_format, "weights_loaded": eng.weights_loaded,
+                         "weights_load_s": eng.weights_load_s, "import_s": eng.import_s,
                          "memory_released": sorted(eng.memory_released), "tokens_generated": eng.tokens_generated,
                          "load": eng.load_stats(),
                          "speculative": None if eng.spec is None else dict(eng.spec.stats,
@@ -680,6 +768,33 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(400, {"success": False, "message": f"{type(e).__name__}: {e}",
                                     "num_paused_requests": 0})
         self._send(200, {"success": True, "message": msg, "num_paused_requests": 0})
+
+    def update_weights_from_tensor(self, body):
+        """SGLang's ``/update_weights_from_tensor``: ``serialized_named_tensors`` (one string per TP
+        rank; the embedded engine has one rank: element 0), ``load_format`` (None or ``direct``),
+        ``weight_version``, ``abort_all_requests``, ``flush_cache`` (no prefix cache here)."""
+        from .tensor_ipc import UnsafePayload, deserialize_named_tensors
+
+        eng = self.engine
+        ser = body.get("serialized_named_tensors")
+        if not isinstance(ser, list) or not ser:
+            raise BadRequest("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
+        if body.get("load_format") not in (None, "direct"):
+            raise BadRequest(f"load_format {body.get('load_format')!r} is not supported (None or 'direct')")
+        if body.get("abort_all_requests"):
+            eng.abort(abort_all=True, message="Aborted by update_weights_from_tensor")
+        try:
+            named = deserialize_named_tensors(ser[0])
+        except (UnsafePayload, ValueError) as e:
+            return self._send(400, {"success": False, "message": str(e)})
+        try:
+            msg = eng.run_control(lambda: eng.load_tensors(named, body.get("weight_version")))
+        except Exception as e:            # noqa: BLE001 - SGLang answers 400 with success false
+            log.error("weight update from tensors failed: %s", e)
+            return self._send(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+        finally:
+            del named                     # unmap the sender's memory now
+        self._send(200, {"success": True, "message": msg})
 
     def update_weight_version(self, body):
         eng = self.engine
@@ -720,6 +835,7 @@ _ROUTES = {
     "/server_info": _Handler.server_info, "/get_server_info": _Handler.server_info,
     "/flush_cache": _Handler.flush_cache, "/war/add_trajectories": _Handler.war_add_trajectories, "/update_weights_from_disk": _Handler.update_weights_from_disk,
     "/update_weight_version": _Handler.update_weight_version,
+    "/update_weights_from_tensor": _Handler.update_weights_from_tensor,
     "/release_memory_occupation": _Handler.release_memory_occupation,
     "/resume_memory_occupation": _Handler.resume_memory_occupation,
     "/pause_generation": _Handler.pause_generation, "/continue_generation": _Handler.continue_generation,
@@ -760,6 +876,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per streamed event (as SGLang's flag; default 1: an event per token)")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="streamed events carry only their new tokens (as SGLang's flag; default: cumulative)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy (as SGLang's): build the model from config.json without reading its weights; "
+                        "generation is refused until POST /update_weights_from_tensor (or _from_disk) loads them")
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-algorithm", default=None, choices=["suffix"],
                    help="WAR: lossless suffix speculation over completed trajectories (default: off)")
@@ -786,7 +905,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = EmbeddedEngine(args.model_path, args.weight_version, args.threads, speculative=spec,
                             deterministic=args.enable_deterministic_inference, stream_interval=args.stream_interval,
-                            incremental_stream=args.incremental_streaming_output)
+                            incremental_stream=args.incremental_streaming_output, load_format=args.load_format)
     httpd = serve(engine, args.host, args.port)
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, httpd), daemon=True).start()

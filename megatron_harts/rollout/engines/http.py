@@ -21,6 +21,9 @@ against SGLang 0.5.17's ``srt/entrypoints/http_server.py`` and ``srt/managers/io
 ``POST /update_weights_from_disk``     ``{"model_path", "weight_version", "abort_all_requests",
                                        "flush_cache"}`` -> ``{"success", "message",
                                        "num_paused_requests"}`` (400 when not successful)
+``POST /update_weights_from_tensor``   ``{"serialized_named_tensors": [str per TP rank], "load_format",
+                                       "flush_cache", "abort_all_requests", "weight_version"}`` ->
+                                       ``{"success", "message"}`` (handles, not data: tensor_ipc)
 ``GET /model_info``                    ``{"weight_version", "model_path", ...}`` (0.5.17; 0.5.2
                                        has ``/get_model_info`` only, used on a 404)
 ``POST /release_memory_occupation``    ``{"tags": ["weights", "kv_cache"]}`` or ``{}`` (needs
@@ -349,6 +352,26 @@ class HttpEngine:
             raise EngineError(f"weight update to {version!r} from {path}: {e}") from None
         if not (isinstance(d, dict) and d.get("success")):
             raise EngineError(f"{self.url}/update_weights_from_disk: failed: {d}")
+        return time.perf_counter() - t0
+
+    def update_weights_from_tensor(self, serialized_named_tensors: Sequence[str], version: str | None, *,
+                                   load_format: str | None = None, flush_cache: bool = True,
+                                   abort_all_requests: bool = False, timeout: float | None = None) -> float:
+        """``POST /update_weights_from_tensor`` (SGLang's native endpoint; the embedded engine has
+        it too): load the tensors behind ``serialized_named_tensors`` (one string per TP rank,
+        :func:`~.tensor_ipc.serialize_named_tensors`: CUDA IPC / shared-memory handles, not data)
+        into the served model and tag it ``version``; returns wall seconds. No retries: a failed
+        load leaves the worker unfit to serve (it is stopped, not retried)."""
+        t0 = time.perf_counter()
+        body = {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
+                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
+                "weight_version": None if version is None else str(version)}
+        try:
+            d = self._json("POST", "/update_weights_from_tensor", body, timeout=timeout, retries=0)
+        except EngineError as e:
+            raise EngineError(f"weight update from tensors to {version!r}: {e}") from None
+        if not (isinstance(d, dict) and d.get("success")):
+            raise EngineError(f"{self.url}/update_weights_from_tensor: failed: {d}")
         return time.perf_counter() - t0
 
     def set_weight_version(self, version: str) -> None:

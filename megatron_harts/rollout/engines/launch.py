@@ -293,7 +293,9 @@ class SGLangServer(_ServerProcess):
 
     ``mem_fraction_static``: SGLang's fraction of GPU memory for weights + KV cache;
     ``weight_version``: tag of the initial weights; ``enable_memory_saver``: allow
-    ``release_memory``/``resume_memory``; ``extra_args``: more ``launch_server`` flags verbatim;
+    ``release_memory``/``resume_memory``; ``load_format``: SGLang's ``--load-format`` (``dummy``:
+    random weights, no checkpoint read, for a worker re-armed by a weight keeper through
+    ``/update_weights_from_tensor``); ``extra_args``: more ``launch_server`` flags verbatim;
     ``return_original_logprob``, ``crash_diagnostics``: see the module doc. ``alive()`` also
     watches the ``sglang::`` children (scheduler, detokenizer). Other keywords:
     :class:`_ServerProcess`.
@@ -306,7 +308,7 @@ class SGLangServer(_ServerProcess):
     def __init__(self, model_path: str, *, mem_fraction_static: float | None = None,
                  weight_version: str | None = None, enable_memory_saver: bool = False,
                  extra_args: Sequence[str] = (), return_original_logprob: bool = True,
-                 crash_diagnostics: bool = False, **kw: Any):
+                 crash_diagnostics: bool = False, load_format: str | None = None, **kw: Any):
         env = dict(kw.pop("env", None) or {})
         if return_original_logprob:
             env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
@@ -318,6 +320,7 @@ class SGLangServer(_ServerProcess):
         super().__init__(env=env, **kw)
         self.model_path, self.mem_fraction_static = str(model_path), mem_fraction_static
         self.weight_version, self.enable_memory_saver = weight_version, enable_memory_saver
+        self.load_format = load_format
         self.extra_args = [str(a) for a in extra_args]
 
     def command(self) -> list[str]:
@@ -329,6 +332,8 @@ class SGLangServer(_ServerProcess):
             cmd += ["--weight-version", str(self.weight_version)]
         if self.enable_memory_saver:
             cmd += ["--enable-memory-saver"]
+        if self.load_format is not None:
+            cmd += ["--load-format", str(self.load_format)]
         return cmd + self.extra_args
 
 
@@ -337,20 +342,22 @@ class EmbeddedServer(_ServerProcess):
     embedded transformers engine (CPU default, not SGLang) in its own process.
 
     ``threads``: torch intra-op threads of the server; ``weight_version``: tag of the initial
-    weights; ``extra_args``: more flags verbatim. The server exits by itself when this process
-    is gone. Other keywords: :class:`_ServerProcess` (``startup_timeout`` defaults to 300 s).
+    weights; ``load_format``: ``dummy`` builds the model without reading the checkpoint (a worker
+    re-armed by a weight keeper); ``extra_args``: more flags verbatim. The server exits by itself
+    when this process is gone. Other keywords: :class:`_ServerProcess` (``startup_timeout`` defaults to 300 s).
     """
 
     kind = "embedded"
 
     def __init__(self, model_path: str, *, weight_version: str | None = None, threads: int | None = None,
-                 extra_args: Sequence[str] = (), **kw: Any):
+                 extra_args: Sequence[str] = (), load_format: str | None = None, **kw: Any):
         kw.setdefault("startup_timeout", 300.0)
         env = dict(kw.pop("env", None) or {})
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         super().__init__(env=env, **kw)
         self.model_path, self.weight_version, self.threads = str(model_path), weight_version, threads
+        self.load_format = load_format
         self.extra_args = [str(a) for a in extra_args]
 
     def command(self) -> list[str]:
@@ -360,6 +367,8 @@ class EmbeddedServer(_ServerProcess):
             cmd += ["--weight-version", str(self.weight_version)]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
+        if self.load_format is not None:
+            cmd += ["--load-format", str(self.load_format)]
         return cmd + self.extra_args
 
 
