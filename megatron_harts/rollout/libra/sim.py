@@ -779,7 +779,7 @@ STREAM_POLICIES = ("static", "libra")
 
 
 def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost,
-               planner=None) -> dict:
+               planner=None, *, feedback: bool = True) -> dict:
     """Streaming, bounded-staleness asynchronous RL (SIMULATION). Rollout engines generate
     continuously; finished GRPO groups wait in a buffer; training step ``j`` (it turns weights of
     version ``j`` into ``j + 1``, published to the engines ``sync_s`` after its gradient step)
@@ -808,7 +808,10 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
     the asynchronous proxy when ``k >= 1``), fixed. ``libra``: same start, then ``planner.plan_async``
     (its estimator fed with the consumed groups) re-plans at every training step: engines drain and
     join training ``switch_back_s`` after their last turn ends; trainers become engines ``switch_s``
-    after the step starts.
+    after the step starts. With ``feedback`` the planner's rollout prediction is scaled by the
+    measured one: after a step whose training waited for data (rollout-bound), the seconds since
+    the previous step's start over the planner's predicted rollout seconds per batch for the
+    engines in use (exponentially weighted, weight 0.5 on the newest); without it, the cost model alone.
 
     Returns :func:`run_policy`'s dict plus ``dropped_groups``, ``aborted_groups``,
     ``discarded_tokens`` (generated tokens thrown away), ``generated_tokens`` (all tokens decoded),
@@ -836,6 +839,9 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
     left: dict[int, int] = {}                  # group id -> programs not finished
     complete: dict[int, float] = {}            # group id -> completion time (s), waiting for training
     live: set[int] = set()                     # released, not consumed, not discarded
+    # no interval before step 0: its start includes the pipeline's cold start (every engine starts
+    # empty), which made the correction 6x and over-provisioned rollout in every case tried
+    fb = {"scale": 1.0, "prev_start": None, "pred": None}
     st = {"step": 0, "busy_until": 0.0, "released": 0, "discarded": 0, "dropped": 0, "aborted": 0,
           "wasted": 0, "max_stale": 0}
     rows: list[dict] = []
@@ -865,9 +871,15 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
             st["wasted"] += sum(pool.abort(i, t) if math.isnan(pool.done_at[i]) else pool.programs[i].generated
                                 for i in members[gid])
 
-    def resplit(j: int, start: float, now: float) -> None:
+    def resplit(j: int, start: float, now: float, waited: bool) -> None:
         cur = len(pool.active_engines)
-        target = planner.plan_async(est, G * wcfg.group_size, max(k, 1), current=cur).rollout_gpus
+        nprog, kk = G * wcfg.group_size, max(k, 1)
+        if feedback and waited and fb["prev_start"] is not None and fb["pred"]:
+            ratio = (start - fb["prev_start"]) / fb["pred"]
+            fb["scale"] = 0.5 * fb["scale"] + 0.5 * ratio
+        target = planner.plan_async(est, nprog, kk, current=cur, rollout_scale=fb["scale"]).rollout_gpus
+        fb["prev_start"] = start
+        fb["pred"] = planner.rollout_s(est, nprog, max(1, target), inflight=kk + 1)["per_batch"]
         if target < cur:
             for e in sorted(pool.active_engines, key=lambda e: (e.batch, -e.eid))[:cur - target]:
                 pool.drain(e.eid, now)
@@ -897,9 +909,10 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
             del complete[g]
             live.discard(g)
         start = t
+        waited = t > st["busy_until"]                 # training idled: the rollout was the bottleneck
         est.update(progs)
         if policy == "libra" and j + 1 < cfg.steps:
-            resplit(j, start, t)
+            resplit(j, start, t, waited)
         g_avail = sum(1 for x in trainers if x <= start)
         if g_avail == 0:                              # wait for the first trainer to arrive
             start = min(trainers)
@@ -943,7 +956,7 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
         row["step_s"] = row["train_end"] - prev
         prev = row["train_end"]
     out = _totals(policy, rows, cfg, wall=rows[-1]["train_end"])
-    out.update(mode="stream", dropped_groups=st["dropped"], aborted_groups=st["aborted"],
+    out.update(mode="stream", rollout_scale=fb["scale"], dropped_groups=st["dropped"], aborted_groups=st["aborted"],
                discarded_tokens=int(st["wasted"]), released_groups=st["released"], max_staleness=st["max_stale"],
                generated_tokens=int(sum(e.tokens for e in pool.engines)), static_split=r)
     logger.info("stream %s k=%d %d GPUs: %.0f tok/s, %d dropped + %d aborted groups (%d tokens discarded)",
