@@ -815,7 +815,7 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
 
     Returns :func:`run_policy`'s dict plus ``dropped_groups``, ``aborted_groups``,
     ``discarded_tokens`` (generated tokens thrown away), ``generated_tokens`` (all tokens decoded),
-    ``max_staleness`` (over consumed trajectories), ``released_groups``; each row has ``step``,
+    ``max_staleness`` / ``mean_staleness`` (over consumed groups), ``released_groups``; each row has ``step``,
     ``start`` / ``train_end`` (s), ``train_s``, ``step_s``, ``rollout_gpus``, ``train_gpus``,
     ``staleness`` (per consumed group), ``tokens``, ``programs``.
     """
@@ -958,7 +958,8 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
     out = _totals(policy, rows, cfg, wall=rows[-1]["train_end"])
     out.update(mode="stream", rollout_scale=fb["scale"], dropped_groups=st["dropped"], aborted_groups=st["aborted"],
                discarded_tokens=int(st["wasted"]), released_groups=st["released"], max_staleness=st["max_stale"],
-               generated_tokens=int(sum(e.tokens for e in pool.engines)), static_split=r)
+               generated_tokens=int(sum(e.tokens for e in pool.engines)), static_split=r,
+               mean_staleness=float(np.mean([x for row in rows for x in row["staleness"]])))
     logger.info("stream %s k=%d %d GPUs: %.0f tok/s, %d dropped + %d aborted groups (%d tokens discarded)",
                 policy, k, n, out["throughput"], st["dropped"], st["aborted"], st["wasted"])
     return out
