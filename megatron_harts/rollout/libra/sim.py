@@ -815,7 +815,8 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
 
     Returns :func:`run_policy`'s dict plus ``dropped_groups``, ``aborted_groups``,
     ``discarded_tokens`` (generated tokens thrown away), ``generated_tokens`` (all tokens decoded),
-    ``max_staleness`` / ``mean_staleness`` (over consumed groups), ``released_groups``; each row has ``step``,
+    ``max_staleness`` / ``mean_staleness`` (over consumed groups), ``released_groups``, ``consumed``
+    (per consumed group: ``step``, ``group``, ``version``, ``first_start_s``: its first admission); each row has ``step``,
     ``start`` / ``train_end`` (s), ``train_s``, ``step_s``, ``rollout_gpus``, ``train_gpus``,
     ``staleness`` (per consumed group), ``tokens``, ``programs``.
     """
@@ -845,6 +846,7 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
     st = {"step": 0, "busy_until": 0.0, "released": 0, "discarded": 0, "dropped": 0, "aborted": 0,
           "wasted": 0, "max_stale": 0}
     rows: list[dict] = []
+    consumed: list[dict] = []                  # per consumed group: step, group id, version, first admission (s)
 
     def version_of(gid: int) -> float:
         ts = [pool.started[i] for i in members[gid] if not math.isnan(pool.started[i])]
@@ -904,6 +906,9 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
         if max(stale) > k or min(stale) < 0:
             raise RuntimeError(f"run_stream: consumed staleness {stale} outside [0, {k}] (simulator bug)")
         st["max_stale"] = max(st["max_stale"], max(stale))
+        for g in pick:
+            consumed.append({"step": j, "group": g, "version": int(version_of(g)),
+                             "first_start_s": min(pool.started[i] for i in members[g])})
         progs = [pool.programs[i] for g in pick for i in members[g]]
         for g in pick:
             del complete[g]
@@ -959,7 +964,7 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
     out.update(mode="stream", rollout_scale=fb["scale"], dropped_groups=st["dropped"], aborted_groups=st["aborted"],
                discarded_tokens=int(st["wasted"]), released_groups=st["released"], max_staleness=st["max_stale"],
                generated_tokens=int(sum(e.tokens for e in pool.engines)), static_split=r,
-               mean_staleness=float(np.mean([x for row in rows for x in row["staleness"]])))
+               consumed=consumed, mean_staleness=float(np.mean([x for row in rows for x in row["staleness"]])))
     logger.info("stream %s k=%d %d GPUs: %.0f tok/s, %d dropped + %d aborted groups (%d tokens discarded)",
                 policy, k, n, out["throughput"], st["dropped"], st["aborted"], st["wasted"])
     return out
