@@ -18,6 +18,11 @@ out, then all train), ``tail`` (RollPacker-style tail batching on the static spl
 elastic pool whose drained engines switch to training and train the completed groups while the
 tail still runs), ``libra`` (the planner decides every step; synchronous: ``elastic`` or a split
 it re-tunes; asynchronous: bounded staleness ``k`` with the split re-planned per batch).
+
+:func:`run_stream` is the streaming bounded-staleness driver (continuous rollout, per-trajectory
+staleness checked when training consumes it, too-stale groups dropped or aborted and regenerated),
+for a fixed split (``static``) or the planner's re-split (``libra``); :func:`hindsight_static_split`
+searches the best fixed split for it on the same trace (a reference, not a deployable policy).
 """
 from __future__ import annotations
 
