@@ -272,10 +272,11 @@ def plot(path: Path, rows: list[dict], qrows: list[dict]) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     drift = [r for r in rows if r["setting"] == "drift"]
-    for label in dict.fromkeys(r["policy"] for r in drift):
+    colors = plt.get_cmap("tab20").colors
+    for n, label in enumerate(dict.fromkeys(r["policy"] for r in drift)):
         pts = sorted((r["gpus"], r["throughput"]) for r in drift if r["policy"] == label)
-        ax[0].plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=label,
-                   linestyle="-" if "libra" in label else "--")
+        ax[0].plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=label, color=colors[n % 20],
+                   linestyle="-" if "libra" in label else ":" if "hindsight" in label else "--")
     ax[0].set_xscale("log", base=2)
     ax[0].set_xlabel("GPUs")
     ax[0].set_ylabel("trained tokens/s (x1000)")
