@@ -10,7 +10,8 @@ simulated, ...}`` plus the queue comparison and the planner's prediction check),
 
     python scripts/bench_libra.py                     # docs/benchmarks/, ~5 min on 2 CPU cores
     python scripts/bench_libra.py --quick --out /tmp/libra
-    python scripts/bench_libra.py --static-oracle drift:16:1,drift:64:2   # hindsight static split only
+    python scripts/bench_libra.py --static-oracle drift:16:1,drift:64:2   # hindsight batch-async static split only
+    python scripts/bench_libra.py --stream-k 1,4 --hindsight drift       # the defaults: streaming rows
 
 Rollout costs: ``--calibration`` (default ``docs/benchmarks/libra_calibration_h200.json``, the H200
 decode grid, through ``costs.rollout_cost_from_calibration``); ``--calibration gpu.md``: GPU.md's two
@@ -52,30 +53,78 @@ RUNS = [  # (label, policy, staleness)
     ("static (async k=2)", "static", 2),
     ("libra (async k=2)", "libra", 2),
 ]
+# streaming bounded staleness (sim.run_stream): (label, policy, staleness, run_stream kwargs); the
+# hindsight rows (sim.hindsight_static_split) are added for --hindsight settings at the largest k
+STREAM_RUNS = [
+    ("static (stream k={k})", "static", {}),
+    ("libra (stream k={k})", "libra", {}),
+    ("libra, cost model only (stream k={k})", "libra", {"feedback": False}),
+]
+HINDSIGHT = "static hindsight (stream k={k})"
+
+
+def stream_labels(ks: list[int]) -> list[str]:
+    """Row labels of the streaming runs for staleness values ``ks`` (hindsight rows not included)."""
+    return [lab.format(k=k) for k in ks for lab, _, kw in STREAM_RUNS if k == max(ks) or not kw]
+
+
+def _row(setting: str, label: str, gpus: int, k: int, out: dict, wall: float) -> dict:
+    row = {"setting": setting, "policy": label, "gpus": gpus, "staleness": k,
+           "throughput": round(out["throughput"], 1), "step_s": round(out["step_s"], 2),
+           "simulated": True, "sim_wall_s": round(wall, 2),
+           "rollout_gpus": [r.get("rollout_gpus") for r in out["rows"]]}
+    if out.get("mode") == "stream":
+        row.update(mode="stream", static_split=out["static_split"], dropped_groups=out["dropped_groups"],
+                   aborted_groups=out["aborted_groups"], discarded_tokens=out["discarded_tokens"],
+                   generated_tokens=out["generated_tokens"], max_staleness=out["max_staleness"],
+                   mean_staleness=round(out["mean_staleness"], 2),
+                   rollout_scale=round(out["rollout_scale"], 3))
+    return row
 
 
 def split_rows(args, rc, tc) -> list[dict]:
     from tqdm import tqdm
     jobs = [(s, g) for s in args.settings for g in args.gpus if s == "drift" or g in (args.gpus[0], args.gpus[-1])]
     rows = []
+    kmax = max(args.stream_k) if args.stream_k else None
     for setting, gpus in tqdm(jobs, desc="split policies", disable=args.quiet):
         w = workload.WorkloadConfig(steps=args.steps, groups=2 * gpus, **SETTINGS[setting])
         res = {}
         for label, pol, k in RUNS:
-            cfg = sim.SimConfig(gpus=gpus, steps=args.steps, staleness=k, sync_s=args.sync_s, switch_s=args.switch_s)
+            cfg = sim.SimConfig(gpus=gpus, steps=args.steps, staleness=k, sync_s=args.sync_s, switch_s=args.switch_s,
+                                switch_back_s=args.switch_back_s)
             t0 = time.perf_counter()
             out = sim.run_policy(pol, w, cfg, rc, tc)
             res[label] = out
-            row = {"setting": setting, "policy": label, "gpus": gpus, "staleness": k,
-                   "throughput": round(out["throughput"], 1), "step_s": round(out["step_s"], 2),
-                   "simulated": True, "sim_wall_s": round(time.perf_counter() - t0, 2),
-                   "rollout_gpus": [r.get("rollout_gpus") for r in out["rows"]]}
-            rows.append(row)
+            rows.append(_row(setting, label, gpus, k, out, time.perf_counter() - t0))
+        for k in args.stream_k:
+            cfg = sim.SimConfig(gpus=gpus, steps=args.steps, staleness=k, sync_s=args.sync_s, switch_s=args.switch_s,
+                                switch_back_s=args.switch_back_s)
+            for lab, pol, kw in STREAM_RUNS:
+                if kw and k != kmax:
+                    continue
+                label = lab.format(k=k)
+                t0 = time.perf_counter()
+                out = sim.run_stream(pol, w, cfg, rc, tc, **kw)
+                res[label] = out
+                rows.append(_row(setting, label, gpus, k, out, time.perf_counter() - t0))
+            if k == kmax and setting in args.hindsight:
+                t0 = time.perf_counter()
+                h = sim.hindsight_static_split(w, cfg, rc, tc)
+                label = HINDSIGHT.format(k=k)
+                out = h["runs"][h["best_r"]]
+                res[label] = out
+                row = _row(setting, label, gpus, k, out, time.perf_counter() - t0)
+                row.update(hindsight_r=h["best_r"], throughput_by_r={r: round(v, 1) for r, v in h["throughput_by_r"].items()})
+                rows.append(row)
+                log.info("hindsight %s %d GPUs k=%d: R=%d of %d searched", setting, gpus, k, h["best_r"], len(h["runs"]))
         base = res["static (sync)"]["throughput"]
         for row in rows:
             if row["setting"] == setting and row["gpus"] == gpus:
                 row["vs_static"] = round(row["throughput"] / base, 3)
-                same = res[f"static ({'sync' if row['staleness'] == 0 else 'async k=%d' % row['staleness']})"]
+                k = row["staleness"]
+                same = res[f"static (stream k={k})" if row.get("mode") == "stream"
+                           else f"static ({'sync' if k == 0 else 'async k=%d' % k})"]
                 row["vs_static_same_staleness"] = round(row["throughput"] / same["throughput"], 3)
     return rows
 
@@ -87,7 +136,8 @@ def static_oracle_rows(args, rc, tc, cases) -> list[dict]:
     out = []
     for setting, gpus, k in cases:
         w = workload.WorkloadConfig(steps=args.steps, groups=2 * gpus, **SETTINGS[setting])
-        cfg = sim.SimConfig(gpus=gpus, steps=args.steps, staleness=k, sync_s=args.sync_s, switch_s=args.switch_s)
+        cfg = sim.SimConfig(gpus=gpus, steps=args.steps, staleness=k, sync_s=args.sync_s, switch_s=args.switch_s,
+                            switch_back_s=args.switch_back_s)
         tuned_r = sim.tune_static_split(workload.step_batch(w, 0), rc, tc, cfg)
         res = {r: sim.run_policy("static", w, replace(cfg, static_split=r), rc, tc)["throughput"]
                for r in sorted(set(list(range(1, gpus, max(1, gpus // 16))) + [gpus - 1]))}
@@ -163,17 +213,26 @@ def write_md(path: Path, meta: dict, rows: list[dict], qrows: list[dict], pcheck
              f"+ c={meta['rollout']['c_s'] * 1e9:.2f} ns x context tokens` per iteration ({_decode_note(meta['rollout'])}), prefill "
              f"{meta['rollout']['prefill_tok_s'] / 1e3:.0f}K tok/s; training 1/({meta['train']['p_s'] * 1e6:.2f} us + "
              f"{meta['train']['q_s'] * 1e12:.3f} ps x mean length) compact tok/s per GPU; weight sync {meta['sync_s']} s; "
-             f"role switch {meta['switch_s']} s (assumed). {meta['steps']} RL steps; batch = 2 x GPUs groups of 8 samples.", "",
+             f"role switch {meta['switch_s']} s to rollout, {meta['switch_back_s']} s back to training (assumed). "
+             f"{meta['steps']} RL steps; batch = 2 x GPUs groups of 8 samples.", "",
              "Throughput = trained trajectory tokens / simulated wall seconds. `vs_static` = against the "
              "synchronous static split (the verl-style baseline) of the same setting and GPUs; `same k` = "
-             "against the static split at the same staleness.", "",
-             "| setting | GPUs | policy | throughput (tok/s) | step s | vs_static | same k |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+             "against the static split at the same staleness and mode (batch-async rows against `static (async k)`, "
+             "streaming rows against `static (stream k)`). `async k`: batch b rolled out with weights >= b - k "
+             "(sim.run_async); `stream k`: continuous rollout, per-trajectory staleness (oldest version used by any "
+             "turn) <= k checked when training consumes it, too-stale groups dropped or aborted and regenerated "
+             "(sim.run_stream); `static hindsight`: the best fixed split over the whole run, searched "
+             "(sim.hindsight_static_split: not deployable). R = rollout GPUs (static split / per step).", "",
+             "| setting | GPUs | policy | throughput (tok/s) | step s | vs_static | same k | R | dropped + aborted groups |",
+             "|---|---:|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         if r.get("simulated") is False:
             continue
+        rg = r.get("rollout_gpus") or []
+        rs = str(rg[0]) if rg and len(set(rg)) == 1 else f"{min(rg)}-{max(rg)}" if rg else ""
+        disc = f"{r['dropped_groups']} + {r['aborted_groups']}" if r.get("mode") == "stream" else ""
         lines.append(f"| {r['setting']} | {r['gpus']} | {r['policy']} | {r['throughput']:,.0f} | {r['step_s']:.1f} | "
-                     f"{r['vs_static']:.2f} | {r['vs_static_same_staleness']:.2f} |")
+                     f"{r['vs_static']:.2f} | {r['vs_static_same_staleness']:.2f} | {rs} | {disc} |")
     real = [r for r in rows if r.get("simulated") is False]
     if real:
         lines += ["", "Measured rows (`simulated: false`, CPU, from `scripts/libra_switch_cpu.py`; see ../libra.md):", "",
@@ -213,10 +272,11 @@ def plot(path: Path, rows: list[dict], qrows: list[dict]) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     drift = [r for r in rows if r["setting"] == "drift"]
-    for label in dict.fromkeys(r["policy"] for r in drift):
+    colors = plt.get_cmap("tab20").colors
+    for n, label in enumerate(dict.fromkeys(r["policy"] for r in drift)):
         pts = sorted((r["gpus"], r["throughput"]) for r in drift if r["policy"] == label)
-        ax[0].plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=label,
-                   linestyle="-" if "libra" in label else "--")
+        ax[0].plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=label, color=colors[n % 20],
+                   linestyle="-" if "libra" in label else ":" if "hindsight" in label else "--")
     ax[0].set_xscale("log", base=2)
     ax[0].set_xlabel("GPUs")
     ax[0].set_ylabel("trained tokens/s (x1000)")
@@ -241,7 +301,14 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", default="8,16,32,64")
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--sync-s", type=float, default=None, help="weight sync s (default: rollout.json's median)")
-    ap.add_argument("--switch-s", type=float, default=10.0, help="one role switch, s (assumption)")
+    ap.add_argument("--switch-s", type=float, default=10.0, help="one role switch to rollout, s (assumption)")
+    ap.add_argument("--switch-back-s", type=float, default=None,
+                    help="one switch from rollout back to training, s (default: --switch-s)")
+    ap.add_argument("--stream-k", default="1,4",
+                    help="staleness values of the streaming rows (sim.run_stream); '' for none")
+    ap.add_argument("--hindsight", default="drift",
+                    help="settings that get the hindsight static split at the largest --stream-k ('' for none; "
+                         "~6 min at 64 GPUs on 2 cores)")
     ap.add_argument("--calibration", default=str(costs.BENCH / "libra_calibration_h200.json"),
                     help="libra_calibration.json of scripts/libra_calibrate_h200.py (decode vs batch x context; "
                          "default: the H200 one in docs/benchmarks); 'gpu.md': GPU.md's two decode points instead")
@@ -261,6 +328,15 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--gpus: comma-separated integers, got {args.gpus!r}")
     args.settings = args.settings.split(",")
+    try:
+        args.stream_k = [int(k) for k in args.stream_k.split(",") if k.strip()]
+    except ValueError:
+        ap.error(f"--stream-k: comma-separated integers, got {args.stream_k!r}")
+    if any(k < 0 for k in args.stream_k):
+        ap.error("--stream-k: staleness must be >= 0")
+    args.hindsight = [s for s in args.hindsight.split(",") if s]
+    if any(s not in SETTINGS for s in args.hindsight):
+        ap.error(f"--hindsight: settings from {list(SETTINGS)}, got {args.hindsight}")
     bad = [s for s in args.settings if s not in SETTINGS]
     if bad:
         ap.error(f"--settings: unknown {bad}; choose from {list(SETTINGS)}")
@@ -294,7 +370,8 @@ def main(argv=None) -> int:
             ap.error(f"--static-oracle: settings from {list(SETTINGS)}, GPUS >= 2, K >= 1")
         orows = static_oracle_rows(args, rc, tc, cases)
         meta = {"simulated": True, "what": static_oracle_rows.__doc__.split("\n\n")[0].replace("\n    ", " "),
-                "rollout": asdict(rc), "sync_s": round(args.sync_s, 3), "switch_s": args.switch_s, "steps": args.steps,
+                "rollout": asdict(rc), "sync_s": round(args.sync_s, 3), "switch_s": args.switch_s,
+                "switch_back_s": args.switch_back_s if args.switch_back_s is not None else args.switch_s, "steps": args.steps,
                 "argv": sys.argv[1:] if argv is None else list(argv), "wall_s": round(time.perf_counter() - t0, 1)}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -304,7 +381,9 @@ def main(argv=None) -> int:
     qrows = queue_rows(args, rc)
     pcheck = planner_check(args, rc, tc)
     meta = {"simulated": True, "rollout": asdict(rc), "train": asdict(tc), "sync_s": round(args.sync_s, 3),
-            "switch_s": args.switch_s, "steps": args.steps, "queue_max_batch": args.queue_max_batch,
+            "switch_s": args.switch_s,
+            "switch_back_s": args.switch_back_s if args.switch_back_s is not None else args.switch_s,
+            "stream_k": args.stream_k, "hindsight": args.hindsight, "steps": args.steps, "queue_max_batch": args.queue_max_batch,
             "queue_kv_tokens": args.queue_kv_tokens, "workload_defaults": asdict(workload.WorkloadConfig()),
             "settings": SETTINGS, "argv": sys.argv[1:] if argv is None else list(argv),
             "wall_s": round(time.perf_counter() - t0, 1)}
@@ -317,8 +396,10 @@ def main(argv=None) -> int:
                                                indent=1, default=str))
     write_md(out / "libra.md", meta, rows, qrows, pcheck)
     plot(out / "libra.png", rows, qrows)
-    best = max((r for r in rows if r["setting"] == "drift" and r.get("simulated")), key=lambda r: r["vs_static"])
-    log.info("SIMULATION: best vs static under drift: %s at %d GPUs, %.2fx", best["policy"], best["gpus"], best["vs_static"])
+    best = max((r for r in rows if r["setting"] == "drift" and r.get("simulated") and "hindsight" not in r["policy"]),
+               key=lambda r: r["vs_static"])
+    log.info("SIMULATION: best deployable vs static under drift: %s at %d GPUs, %.2fx", best["policy"], best["gpus"],
+             best["vs_static"])
     for r in qrows:
         log.info("%-28s makespan %7.1f  p99 %7.1f  mean %7.1f", r["policy"], r["makespan_s"], r["p99_s"], r["mean_s"])
     return 0

@@ -333,7 +333,12 @@ def test_bench_script_small_run_and_bad_input(tmp_path, capsys):
                        "--queue-engines", "4", "--long-engines", "1", "--quiet"]) == 0
     data = json.loads((tmp_path / "libra.json").read_text())
     rows = data["rows"]
-    assert {r["policy"] for r in rows} == {label for label, _, _ in bench.RUNS}
+    assert {r["policy"] for r in rows} == ({label for label, _, _ in bench.RUNS} | set(bench.stream_labels([1, 4]))
+                                           | {bench.HINDSIGHT.format(k=4)})
+    stream = [r for r in rows if r.get("mode") == "stream"]
+    assert stream and all(r["max_staleness"] <= r["staleness"] for r in stream)
+    hs = [r for r in rows if "hindsight" in r["policy"]]
+    assert len(hs) == 1 and hs[0]["throughput"] == max(hs[0]["throughput_by_r"].values())
     for r in rows:
         assert r["simulated"] is True and r["gpus"] == 4 and r["throughput"] > 0
         assert set(r) >= {"setting", "policy", "gpus", "throughput", "step_s", "vs_static", "simulated"}
@@ -496,3 +501,103 @@ def test_static_split_override_is_the_split_used(staleness):
     assert sim.run_policy("static", w, replace(cfg, static_split=tuned), rc, tc)["total_s"] == base
     other = [r for r in (1, 2, 3) if r != tuned]
     assert any(sim.run_policy("static", w, replace(cfg, static_split=r), rc, tc)["total_s"] != base for r in other)
+
+
+# -- streaming bounded-staleness driver ----------------------------------------------------------
+
+def test_abort_frees_the_slot_at_once():
+    """One slot: the second program starts when the first is aborted (not when its turn would end)."""
+    rc = _rc(max_batch=1)
+    pool = sim.EnginePool([(rc, 0)], cmlfq.FCFS())
+    a, b = pool.add_programs([_prog([1000], prompt=100), _prog([50], prompt=200)], 0.0)
+    t_abort = 100 / rc.prefill_tok_s + _decode(rc, 10, 1, 100)            # after 10 of its 1,000 tokens
+    pool.call_at(t_abort, lambda t: pool.abort(a, t))
+    pool.run()
+    assert a in pool.aborted and np.isnan(pool.done_at[a]) and pool.started[a] == 0.0
+    assert pool.started[b] == pytest.approx(t_abort)
+    assert pool.done_at[b] == pytest.approx(t_abort + 200 / rc.prefill_tok_s + _decode(rc, 50, 1, 200))
+
+
+def test_group_source_chunk_zero_is_the_step_batch():
+    w = workload.WorkloadConfig(groups=3, group_size=2, steps=4, max_turns=5)
+    src = sim.GroupSource(w)
+    drawn = [src.draw(2) for _ in range(4)]              # 3 groups of chunk 0, then chunk 1
+    ref = workload.step_batch(w, 2)
+    assert [p.group for g in drawn for p in g] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(np.array_equal(p.gen, q.gen) and p.prompt == q.prompt for p, q in zip([p for g in drawn[:3] for p in g], ref))
+    other = workload.step_batch(w, 2, group_offset=3)[:2]
+    assert all(np.array_equal(p.gen, q.gen) for p, q in zip(drawn[3], other))
+
+
+def test_stream_with_staleness_zero_is_the_synchronous_static_run():
+    """k = 0: release a batch at version v, wait for all of it, train, sync: run_sync('static')."""
+    w, cfg, rc, tc = _small()
+    sync = sim.run_policy("static", w, cfg, rc, tc)
+    st = sim.run_stream("static", w, cfg, rc, tc)
+    assert st["tokens"] == sync["tokens"] and st["static_split"] == sync["rows"][0]["rollout_gpus"]
+    assert st["total_s"] == pytest.approx(sync["total_s"], rel=1e-9)
+    assert [r["step_s"] for r in st["rows"]] == pytest.approx([r["step_s"] for r in sync["rows"]], rel=1e-9)
+    assert st["max_staleness"] == 0 and st["dropped_groups"] == st["aborted_groups"] == 0
+
+
+def _tailed(steps=6, gen_median=150):
+    """A long-tailed workload whose tails outlive k = 1 versions (some groups must be discarded)."""
+    return workload.WorkloadConfig(groups=6, group_size=4, steps=steps, max_turns=12, gen_median=gen_median,
+                                   gen_sigma=1.5, tool_median_s=2.0, tool_sigma=1.5)
+
+
+@pytest.mark.parametrize("policy,k", [("static", 1), ("static", 2), ("libra", 1)])
+def test_stream_staleness_bound_per_trajectory_at_consumption(policy, k):
+    """Every consumed group's version (the version published when its first turn was admitted, recomputed
+    here from the training ends) is at most k behind the step that trains on it; the bound bites."""
+    w = _tailed(gen_median=400)
+    _, _, rc, tc = _small()
+    # one slot per engine and a short sync: programs of one group queue across a publish, so their
+    # first turns run at different versions (2 consumed groups for static k=1: the oldest one counts)
+    rc = replace(rc, max_batch=1)
+    cfg = sim.SimConfig(gpus=4, steps=w.steps, sync_s=0.2, switch_s=2.0, staleness=k)
+    out = sim.run_stream(policy, w, cfg, rc, tc)
+    ends = [r["train_end"] for r in out["rows"]]
+    assert ends == sorted(ends) and out["total_s"] == ends[-1] and len(out["rows"]) == w.steps
+    assert len(out["consumed"]) == w.steps * w.groups
+    for c in out["consumed"]:
+        version = sum(1 for e in ends if e <= c["first_start_s"])       # publishes before its first turn
+        assert version == c["version"] and 0 <= c["step"] - version <= k
+        row = out["rows"][c["step"]]
+        assert c["first_start_s"] <= row["start"]
+    assert out["max_staleness"] <= k
+    assert out["tokens"] == sum(r["tokens"] for r in out["rows"])
+    if k == 1:
+        assert out["dropped_groups"] + out["aborted_groups"] > 0 and out["discarded_tokens"] > 0
+    # groups released and not discarded never exceed (published version + k + 1) batches
+    assert out["released_groups"] - out["dropped_groups"] - out["aborted_groups"] <= (w.steps + k) * w.groups
+
+
+def test_stream_larger_staleness_is_not_slower_here():
+    w = _tailed()
+    _, _, rc, tc = _small()
+    cfg = sim.SimConfig(gpus=4, steps=w.steps, sync_s=1.0, switch_s=2.0, static_split=2)
+    t = [sim.run_stream("static", w, replace(cfg, staleness=k), rc, tc)["total_s"] for k in (0, 1, 3)]
+    assert t[0] > t[1] >= t[2] * 0.99
+
+
+def test_hindsight_split_is_at_least_every_fixed_split_searched():
+    w, _, rc, tc = _small()
+    cfg = sim.SimConfig(gpus=6, steps=3, sync_s=1.0, switch_s=2.0, staleness=1)
+    h = sim.hindsight_static_split(w, cfg, rc, tc)
+    assert set(h["throughput_by_r"]) == {1, 2, 3, 4, 5}
+    assert all(h["best"] >= v for v in h["throughput_by_r"].values())
+    assert h["best"] == sim.run_stream("static", w, replace(cfg, static_split=h["best_r"]), rc, tc)["throughput"]
+    tuned = sim.run_stream("static", w, cfg, rc, tc)
+    assert h["best"] >= tuned["throughput"]
+
+
+def test_switch_back_s_is_the_rollout_to_training_switch():
+    w, cfg, rc, tc = _small()
+    cfg = replace(cfg, switch_s=3.0, switch_back_s=0.5)
+    progs = workload.step_batch(w, 1)
+    ro = sim.rollout_once(progs, rc, cfg.gpus, cfg)["makespan"]
+    out = sim.run_policy("colocated", w, cfg, rc, tc)["rows"][1]
+    tr = tc.step_s(workload.compact_tokens(progs), np.mean([p.tokens for p in progs]), cfg.gpus)
+    assert out["step_s"] == pytest.approx(ro + 3.0 + 0.5 + tr + cfg.sync_s)
+    assert sim.SimConfig(switch_s=7.0).back_s == 7.0

@@ -164,16 +164,22 @@ class Planner:
             return Plan("elastic", self.gpus, 0, elastic, detail)
         return Plan("split", best[1], self.gpus - best[1], best[0], detail)
 
-    def async_step_s(self, est: ProgramEstimator, n: int, r: int, staleness: int) -> float:
-        ro = self.rollout_s(est, n, r, inflight=staleness + 1)["per_batch"]
+    def async_step_s(self, est: ProgramEstimator, n: int, r: int, staleness: int, rollout_scale: float = 1.0) -> float:
+        """Predicted seconds per asynchronous step on ``r`` rollout GPUs: max(rollout per batch x
+        ``rollout_scale``, training + sync)."""
+        ro = self.rollout_s(est, n, r, inflight=staleness + 1)["per_batch"] * rollout_scale
         return max(ro, self.train_s(est, n, self.gpus - r) + self.sync_s)
 
-    def plan_async(self, est: ProgramEstimator, n: int, staleness: int, current: int | None = None) -> Plan:
+    def plan_async(self, est: ProgramEstimator, n: int, staleness: int, current: int | None = None,
+                   rollout_scale: float = 1.0) -> Plan:
         """``R`` for bounded-staleness asynchronous RL; keeps ``current`` unless moving saves more
-        than the switch over ``horizon`` steps."""
+        than the switch over ``horizon`` steps. ``rollout_scale``: measured / predicted rollout
+        seconds per batch (the streaming driver's online correction; 1: the cost model alone)."""
         if staleness < 1:
             raise ValueError(f"plan_async needs staleness >= 1, got {staleness}")
-        costs = {r: self.async_step_s(est, n, r, staleness) for r in range(1, self.gpus)}
+        if not rollout_scale > 0:
+            raise ValueError(f"rollout_scale must be > 0, got {rollout_scale}")
+        costs = {r: self.async_step_s(est, n, r, staleness, rollout_scale) for r in range(1, self.gpus)}
         r = min(costs, key=costs.get)
         if current is not None and current in costs and r != current:
             moved = abs(r - current)

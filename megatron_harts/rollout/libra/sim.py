@@ -18,14 +18,20 @@ out, then all train), ``tail`` (RollPacker-style tail batching on the static spl
 elastic pool whose drained engines switch to training and train the completed groups while the
 tail still runs), ``libra`` (the planner decides every step; synchronous: ``elastic`` or a split
 it re-tunes; asynchronous: bounded staleness ``k`` with the split re-planned per batch).
+
+:func:`run_stream` is the streaming bounded-staleness driver (continuous rollout, per-trajectory
+staleness checked when training consumes it, too-stale groups dropped or aborted and regenerated),
+for a fixed split (``static``) or the planner's re-split (``libra``); :func:`hindsight_static_split`
+searches the best fixed split for it on the same trace (a reference, not a deployable policy).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -36,7 +42,7 @@ from .workload import Program, WorkloadConfig, compact_tokens, step_batch
 
 logger = logging.getLogger(__name__)
 
-_READY, _DONE, _JOIN = 0, 1, 2
+_READY, _DONE, _JOIN, _CALL = 0, 1, 2, 3
 
 
 @dataclass
@@ -103,7 +109,10 @@ class EnginePool:
         self.release: list[float] = []
         self.done_at: list[float] = []
         self.tag: list[object] = []
+        self.started: list[float] = []             # time of the program's first admission (s), nan before
+        self.aborted: set[int] = set()
         self._noise: list[float] = []
+        self._calls: dict[int, Callable[[float], None]] = {}
         self.now = 0.0
         self._heap: list = []
         self._seq = itertools.count()
@@ -121,6 +130,7 @@ class EnginePool:
             self.programs.append(p)
             self.turn.append(0), self.attained.append(0), self.last_engine.append(-1), self.cached.append(0)
             self.release.append(release), self.done_at.append(math.nan), self.tag.append(tag)
+            self.started.append(math.nan)
             self._noise.append(float(self.rng.lognormal(0.0, self.pred_sigma)) if self.pred_sigma > 0 else 1.0)
             self._push(release, _READY, i)
             ids.append(i)
@@ -128,6 +138,36 @@ class EnginePool:
 
     def _push(self, t: float, kind: int, x: int, y: int = 0) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), kind, x, y))
+
+    def call_at(self, t: float, fn: Callable[[float], None]) -> None:
+        """Run ``fn(t)`` as an event at simulated time ``t`` (s), in order with the pool's own events."""
+        cid = next(self._seq)
+        self._calls[cid] = fn
+        self._push(t, _CALL, cid)
+
+    def abort(self, i: int, now: float) -> int:
+        """Abort program ``i`` at ``now`` (s): a running turn leaves its engine at once (its slot is
+        refilled), a waiting or future turn is never admitted, ``on_program_done`` is never called.
+        Returns the tokens it had generated (its attained service plus the running turn's part)."""
+        if i in self.aborted or not math.isnan(self.done_at[i]):
+            return 0
+        self.aborted.add(i)
+        wasted = self.attained[i]
+        for e in self.engines:
+            if i in e.prog:
+                e.advance(now)
+                k = e.prog.index(i)
+                wasted += int(self.programs[i].gen[self.turn[i]]) - e.rem[k]
+                del e.rem[k], e.ctx[k], e.prog[k]
+                e.t = max(e.t, now)
+                if e.draining and not e.rem:
+                    e.version += 1
+                    self._leave(e, now)
+                else:
+                    self._fill(e, now)
+                    self._schedule(e)
+                break
+        return wasted
 
     def add_engine(self, cost: RolloutCost, bucket: int, ready_at: float) -> int:
         e = Engine(len(self.engines), cost, bucket, active=False, t=ready_at)
@@ -178,6 +218,8 @@ class EnginePool:
         ctx = p.ctx_before(t)
         hit = self.last_engine[i] == e.eid
         new = ctx - (self.cached[i] if hit else 0)
+        if t == 0 and math.isnan(self.started[i]):
+            self.started[i] = now
         if not hit and self.last_engine[i] >= 0:
             self.cache_misses += 1
         e.advance(now)
@@ -245,6 +287,8 @@ class EnginePool:
             req = q.pop(e.bucket, now) if len(q) else self._steal(e, now)
             if req is None:
                 break
+            if req.program in self.aborted:
+                continue
             if not self._fits(e, req.ctx) and e.batch > 0:
                 q.push(req, req.arrival)          # back, unchanged arrival (KV full)
                 break
@@ -254,6 +298,8 @@ class EnginePool:
             self._schedule(e)
 
     def _ready(self, i: int, now: float) -> None:
+        if i in self.aborted:
+            return
         self._enqueue(i, self._request(i, now), now)
 
     def _complete(self, e: Engine, now: float) -> None:
@@ -266,6 +312,8 @@ class EnginePool:
         fin_ctx = {e.prog[k]: e.ctx[k] for k, r in enumerate(e.rem) if r <= 0}
         e.rem, e.ctx, e.prog = [e.rem[k] for k in keep], [e.ctx[k] for k in keep], [e.prog[k] for k in keep]
         for i in finished:
+            if i in self.aborted:
+                continue
             p, t = self.programs[i], self.turn[i]
             self.attained[i] += int(p.gen[t])
             self.cached[i] = fin_ctx[i]
@@ -298,6 +346,8 @@ class EnginePool:
                 self._ready(x, t)
             elif kind == _DONE:
                 self._complete(self.engines[x], t)
+            elif kind == _CALL:
+                self._calls.pop(x)(t)
             elif kind == _JOIN:
                 e = self.engines[x]
                 e.active, e.t = True, max(e.t, t)
@@ -321,7 +371,9 @@ class EnginePool:
 class SimConfig:
     """Shared settings of a simulated run (seconds, GPUs). ``sync_s``: weight sync per step (default:
     the measured median export + push of ``rollout.json``); ``switch_s``: one role switch of one
-    GPU (ASSUMPTION, never measured on the H200); ``staleness``: 0 = synchronous RL, k >= 1 =
+    GPU from training to rollout (ASSUMPTION for a switch between GPUs; the colocated switch on one
+    H200 measured 0.41-0.51 s); ``switch_back_s``: one GPU from rollout back to training (None: equal
+    to ``switch_s``; the colocated H200 switch measured 0.05-0.08 s); ``staleness``: 0 = synchronous RL, k >= 1 =
     bounded-staleness asynchronous RL; ``queue``: the queue policy name; ``long_bucket``: GPUs of the
     rollout pool set up for long contexts (C-MLFQ routes to them; other policies use them as
     ordinary engines); ``static_split``: rollout GPUs of the static split (and the starting split of
@@ -332,12 +384,18 @@ class SimConfig:
     staleness: int = 0
     sync_s: float = 0.39            # H200 small-moe export + push, rollout.json (2026-12-02)
     switch_s: float = 10.0
+    switch_back_s: float | None = None
     queue: str = "fcfs"
     long_bucket: int = 0
     pred_sigma: float = 0.5
     tail_overprovision: float = 0.25
     seed: int = 0
     static_split: int | None = None
+
+    @property
+    def back_s(self) -> float:
+        """Seconds for one GPU to switch from rollout back to training."""
+        return self.switch_s if self.switch_back_s is None else self.switch_back_s
 
 
 def pool_for(rcost: RolloutCost, n: int, cfg: SimConfig, queue: str | None = None) -> EnginePool:
@@ -439,7 +497,7 @@ def _sync_step_colocated(programs, rcost, tcost, cfg) -> dict:
     ro = rollout_once(programs, rcost, cfg.gpus, cfg)
     comp, mlen = _train_work(programs, tcost)
     tr = tcost.step_s(comp, mlen, cfg.gpus)
-    return {"rollout_s": ro["makespan"], "train_s": tr, "step_s": ro["makespan"] + 2 * cfg.switch_s + tr + cfg.sync_s,
+    return {"rollout_s": ro["makespan"], "train_s": tr, "step_s": ro["makespan"] + cfg.back_s + cfg.switch_s + tr + cfg.sync_s,
             "rollout_gpus": cfg.gpus, "trained": programs, "p99_done": float(np.quantile(ro["done"], 0.99))}
 
 
@@ -452,7 +510,7 @@ def elastic_sync_step(programs: Sequence[Program], rcost: RolloutCost, tcost: Tr
     iterations by ~12%; ~3 with GPU.md's two points, ~5-30 with the H200 calibration's small ``b``
     as contexts grow 20K-1K; the earlier ``a / (8 b)`` ignored the context term and allowed ~47
     with the calibration), the least-loaded engine drains and, after
-    ``switch_s``, trains the groups already complete (same global batch, gradients accumulated over
+    ``switch_back_s``, trains the groups already complete (same global batch, gradients accumulated over
     whichever GPUs computed them). At the end the remaining engines switch too; then all-reduce,
     optimizer, weight sync, and (except before the first step) the switch back to rollout."""
     pool = pool_for(rcost, cfg.gpus, cfg)
@@ -478,7 +536,7 @@ def elastic_sync_step(programs: Sequence[Program], rcost: RolloutCost, tcost: Tr
 
     def joined(eid: int, t: float) -> None:
         train_gpus[0] += 1
-        capacity.append((t + cfg.switch_s, train_gpus[0]))
+        capacity.append((t + cfg.back_s, train_gpus[0]))
 
     def done(i: int, t: float) -> None:
         active[0] -= 1
@@ -495,7 +553,7 @@ def elastic_sync_step(programs: Sequence[Program], rcost: RolloutCost, tcost: Tr
     end = pool.run()
     rollout_s = float(np.nanmax(np.array(pool.done_at)))
     rest = len(pool.active_engines) + sum(1 for e in pool.engines if e.draining)
-    capacity.append((rollout_s + cfg.switch_s, train_gpus[0] + rest))
+    capacity.append((rollout_s + cfg.back_s, train_gpus[0] + rest))
     finish = fluid_finish(releases, capacity)
     tr_alone = finish - rollout_s
     step = finish + _comm_s(tcost, cfg.gpus) + cfg.sync_s + (0.0 if first else cfg.switch_s)
@@ -640,7 +698,7 @@ def run_async(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutC
             state["released"] += 1
 
     def joined(eid: int, t: float) -> None:
-        trainers.append(t + cfg.switch_s)
+        trainers.append(t + cfg.back_s)
 
     def advance_training(now: float) -> None:
         while state["next_train"] < cfg.steps and not math.isnan(batch_done[state["next_train"]]):
@@ -692,6 +750,257 @@ def run_async(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutC
     out = _totals(policy, rows, cfg, wall=train_end[-1])
     out["release"] = released
     return out
+
+
+class GroupSource:
+    """GRPO groups drawn at a policy version: version ``v``'s groups come from the workload's step ``v``
+    (its drift progress), in chunks of a full batch, chunk ``m`` = ``step_batch(wcfg, v, group_offset=
+    m x groups)`` (chunk 0 is the synchronous drivers' batch of step ``v``). Groups get fresh ids
+    (0, 1, ...) in the order drawn, so a group id names one group of the stream."""
+
+    def __init__(self, wcfg: WorkloadConfig):
+        self.wcfg = wcfg
+        self._buf: dict[int, list[list[Program]]] = {}
+        self._chunk: dict[int, int] = {}
+        self._next_id = 0
+
+    def draw(self, version: int) -> list[Program]:
+        """The next group (``group_size`` programs) of ``version``."""
+        buf = self._buf.setdefault(version, [])
+        if not buf:
+            m = self._chunk.get(version, 0)
+            self._chunk[version] = m + 1
+            progs = step_batch(self.wcfg, version, group_offset=m * self.wcfg.groups)
+            by: dict[int, list[Program]] = {}
+            for p in progs:
+                by.setdefault(p.group, []).append(p)
+            buf.extend(by[g] for g in sorted(by))
+        gid = self._next_id
+        self._next_id += 1
+        return [replace(p, group=gid) for p in buf.pop(0)]
+
+
+STREAM_POLICIES = ("static", "libra")
+
+
+def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost,
+               planner=None, *, feedback: bool = True) -> dict:
+    """Streaming, bounded-staleness asynchronous RL (SIMULATION). Rollout engines generate
+    continuously; finished GRPO groups wait in a buffer; training step ``j`` (it turns weights of
+    version ``j`` into ``j + 1``, published to the engines ``sync_s`` after its gradient step)
+    consumes ``wcfg.groups`` complete groups.
+
+    * **Version of a trajectory** = the oldest policy version any of its turns was generated with:
+      the version published when its first turn was admitted to an engine (versions only grow;
+      a turn running across a publish counts with the older one). A group's version is the
+      minimum over its trajectories.
+    * **Staleness bound, checked per trajectory at consumption**: step ``j`` may use a group only
+      if ``j - version <= k`` (``k = cfg.staleness``) for every trajectory in it; among usable
+      complete groups it takes the oldest first. Complete groups that are too stale for step ``j``
+      are dropped; after step ``j`` started, groups that could not meet the bound at step ``j + 1``
+      either are dropped (complete) or aborted (running: their engines are freed at once). Both are
+      counted (``dropped_groups``, ``aborted_groups``, ``discarded_tokens``: tokens generated for
+      them) and **regenerated**: replaced by new groups at the current version.
+    * **Admission** (AReaL-style): at most ``(v + k + 1) x groups`` groups released and not discarded
+      while version ``v`` is the newest published one, so at most ``k + 1`` batches are in flight or
+      waiting. With ``k = 0`` this is the synchronous step (release a batch at version ``v``, wait
+      for all of it, train, sync): the same trajectories and the same time as ``run_sync("static")``
+      on the same split, to floating-point rounding (``tests/test_libra.py``).
+    * Groups of version ``v`` are the workload's step ``v`` (:class:`GroupSource`): lengths drift
+      with the policy that generated them.
+
+    ``static``: the split ``cfg.static_split`` or tuned on step 0 (:func:`tune_static_split` with
+    the asynchronous proxy when ``k >= 1``), fixed. ``libra``: same start, then ``planner.plan_async``
+    (its estimator fed with the consumed groups) re-plans at every training step: engines drain and
+    join training ``switch_back_s`` after their last turn ends; trainers become engines ``switch_s``
+    after the step starts. With ``feedback`` the planner's rollout prediction is scaled by the
+    measured one: after a step whose training waited for data (rollout-bound), the seconds since
+    the previous step's start over the planner's predicted rollout seconds per batch for the
+    engines in use (exponentially weighted, weight 0.5 on the newest); without it, the cost model alone.
+
+    Returns :func:`run_policy`'s dict plus ``dropped_groups``, ``aborted_groups``,
+    ``discarded_tokens`` (generated tokens thrown away), ``generated_tokens`` (all tokens decoded),
+    ``max_staleness`` / ``mean_staleness`` (over consumed groups), ``released_groups``, ``consumed``
+    (per consumed group: ``step``, ``group``, ``version``, ``first_start_s``: its first admission); each row has ``step``,
+    ``start`` / ``train_end`` (s), ``train_s``, ``step_s``, ``rollout_gpus``, ``train_gpus``,
+    ``staleness`` (per consumed group), ``tokens``, ``programs``.
+    """
+    from .planner import Planner, ProgramEstimator
+    if policy not in STREAM_POLICIES:
+        raise ValueError(f"run_stream supports {STREAM_POLICIES}, got {policy!r}")
+    k, n, G = cfg.staleness, cfg.gpus, wcfg.groups
+    if k < 0:
+        raise ValueError(f"staleness must be >= 0, got {k}")
+    if policy == "libra" and planner is None:
+        planner = Planner(rcost, tcost, n, sync_s=cfg.sync_s, switch_s=cfg.switch_s)
+    r = _static_split(step_batch(wcfg, 0), rcost, tcost, cfg)
+    if not 1 <= r < n:
+        raise ValueError(f"the split needs 1 <= rollout GPUs < {n}, got {r}")
+    pool = pool_for(rcost, r, cfg)
+    src = GroupSource(wcfg)
+    est = ProgramEstimator()
+    trainers = [0.0] * (n - r)                 # time (s) from which each training GPU is free to train
+    publish: list[float] = []                  # publish[v - 1]: time (s) version v reached the engines
+    members: dict[int, list[int]] = {}         # group id -> pool program ids
+    left: dict[int, int] = {}                  # group id -> programs not finished
+    complete: dict[int, float] = {}            # group id -> completion time (s), waiting for training
+    live: set[int] = set()                     # released, not consumed, not discarded
+    # no interval before step 0: its start includes the pipeline's cold start (every engine starts
+    # empty), which made the correction 6x and over-provisioned rollout in every case tried
+    fb = {"scale": 1.0, "prev_start": None, "pred": None}
+    st = {"step": 0, "busy_until": 0.0, "released": 0, "discarded": 0, "dropped": 0, "aborted": 0,
+          "wasted": 0, "max_stale": 0}
+    rows: list[dict] = []
+    consumed: list[dict] = []                  # per consumed group: step, group id, version, first admission (s)
+
+    def version_of(gid: int) -> float:
+        ts = [pool.started[i] for i in members[gid] if not math.isnan(pool.started[i])]
+        return float(bisect.bisect_right(publish, min(ts))) if ts else math.inf
+
+    def release(t: float) -> None:
+        v = len(publish)
+        while st["released"] - st["discarded"] < (v + k + 1) * G:
+            progs = src.draw(v)
+            gid = progs[0].group
+            members[gid] = pool.add_programs(progs, t, tag=gid)
+            left[gid] = len(progs)
+            live.add(gid)
+            st["released"] += 1
+
+    def discard(gid: int, t: float, why: str) -> None:
+        live.discard(gid)
+        st["discarded"] += 1
+        st[why] += 1
+        if gid in complete:
+            del complete[gid]
+            st["wasted"] += sum(pool.programs[i].generated for i in members[gid])
+        else:
+            st["wasted"] += sum(pool.abort(i, t) if math.isnan(pool.done_at[i]) else pool.programs[i].generated
+                                for i in members[gid])
+
+    def resplit(j: int, start: float, now: float, waited: bool) -> None:
+        cur = len(pool.active_engines)
+        nprog, kk = G * wcfg.group_size, max(k, 1)
+        if feedback and waited and fb["prev_start"] is not None and fb["pred"]:
+            ratio = (start - fb["prev_start"]) / fb["pred"]
+            fb["scale"] = 0.5 * fb["scale"] + 0.5 * ratio
+        target = planner.plan_async(est, nprog, kk, current=cur, rollout_scale=fb["scale"]).rollout_gpus
+        fb["prev_start"] = start
+        fb["pred"] = planner.rollout_s(est, nprog, max(1, target), inflight=kk + 1)["per_batch"]
+        if target < cur:
+            for e in sorted(pool.active_engines, key=lambda e: (e.batch, -e.eid))[:cur - target]:
+                pool.drain(e.eid, now)
+        elif target > cur:
+            avail = sorted(trainers)
+            for _ in range(min(target - cur, max(0, len(avail) - 1))):
+                t0 = avail.pop(0)
+                trainers.remove(t0)
+                pool.add_engine(rcost, 0, max(start, t0) + cfg.switch_s)
+
+    def try_train(t: float) -> None:
+        j = st["step"]
+        if j >= cfg.steps or t < st["busy_until"]:
+            return
+        for gid in [g for g in complete if j - version_of(g) > k]:
+            discard(gid, t, "dropped")
+        if len(complete) < G:
+            release(t)
+            return
+        pick = sorted(complete, key=lambda g: (version_of(g), complete[g], g))[:G]
+        stale = [j - int(version_of(g)) for g in pick]
+        if max(stale) > k or min(stale) < 0:
+            raise RuntimeError(f"run_stream: consumed staleness {stale} outside [0, {k}] (simulator bug)")
+        st["max_stale"] = max(st["max_stale"], max(stale))
+        for g in pick:
+            consumed.append({"step": j, "group": g, "version": int(version_of(g)),
+                             "first_start_s": min(pool.started[i] for i in members[g])})
+        progs = [pool.programs[i] for g in pick for i in members[g]]
+        for g in pick:
+            del complete[g]
+            live.discard(g)
+        start = t
+        waited = t > st["busy_until"]                 # training idled: the rollout was the bottleneck
+        est.update(progs)
+        if policy == "libra" and j + 1 < cfg.steps:
+            resplit(j, start, t, waited)
+        g_avail = sum(1 for x in trainers if x <= start)
+        if g_avail == 0:                              # wait for the first trainer to arrive
+            start = min(trainers)
+            g_avail = sum(1 for x in trainers if x <= start)
+        comp, mlen = _train_work(progs, tcost)
+        dur = tcost.step_s(comp, mlen, g_avail)
+        end = start + dur + cfg.sync_s
+        rows.append({"step": j, "start": start, "train_end": end, "train_s": dur, "train_gpus": g_avail,
+                     "rollout_gpus": len(pool.active_engines), "staleness": stale,
+                     "tokens": int(sum(p.tokens for p in progs)), "programs": len(progs)})
+        st["step"], st["busy_until"] = j + 1, end
+        # groups that cannot meet the bound at step j + 1 any more: dropped / aborted now, regenerated
+        for gid in [g for g in live if j + 1 - version_of(g) > k]:
+            discard(gid, t, "dropped" if gid in complete else "aborted")
+        release(t)
+        if j + 1 < cfg.steps:
+            pool.call_at(end, published)
+
+    def published(t: float) -> None:
+        publish.append(t)
+        release(t)
+        try_train(t)
+
+    def done(i: int, t: float) -> None:
+        gid = pool.tag[i]
+        left[gid] -= 1
+        if left[gid] == 0 and gid in live:
+            complete[gid] = t
+            try_train(t)
+
+    def joined(eid: int, t: float) -> None:
+        trainers.append(t + cfg.back_s)
+
+    pool.on_program_done, pool.on_engine_left = done, joined
+    release(0.0)
+    pool.run(until=lambda: st["step"] >= cfg.steps)
+    if len(rows) != cfg.steps:
+        raise RuntimeError(f"run_stream: {len(rows)} of {cfg.steps} steps trained (simulator bug)")
+    prev = 0.0
+    for row in rows:
+        row["step_s"] = row["train_end"] - prev
+        prev = row["train_end"]
+    out = _totals(policy, rows, cfg, wall=rows[-1]["train_end"])
+    out.update(mode="stream", rollout_scale=fb["scale"], dropped_groups=st["dropped"], aborted_groups=st["aborted"],
+               discarded_tokens=int(st["wasted"]), released_groups=st["released"], max_staleness=st["max_stale"],
+               generated_tokens=int(sum(e.tokens for e in pool.engines)), static_split=r,
+               consumed=consumed, mean_staleness=float(np.mean([x for row in rows for x in row["staleness"]])))
+    logger.info("stream %s k=%d %d GPUs: %.0f tok/s, %d dropped + %d aborted groups (%d tokens discarded)",
+                policy, k, n, out["throughput"], st["dropped"], st["aborted"], st["wasted"])
+    return out
+
+
+def hindsight_static_split(wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost, *,
+                           candidates: Sequence[int] | None = None, refine: bool = True) -> dict:
+    """The best fixed split **with hindsight** for :func:`run_stream` (``static``) on this trace: not a
+    deployable baseline (it sees the whole run), an upper reference for any fixed split. Searches
+    ``candidates`` (default: :func:`tune_static_split`'s grid, every ``N / 16``-th R plus ``N - 1``)
+    and, with ``refine``, every R between the best grid point's neighbours. Returns ``{best_r,
+    best (tok/s), throughput_by_r (every R simulated), runs (R -> run_stream's dict)}``."""
+    n = cfg.gpus
+    cands = sorted(set(candidates if candidates is not None else list(range(1, n, max(1, n // 16))) + [n - 1]))
+    runs: dict[int, dict] = {}
+
+    def sim_r(r: int) -> None:
+        if r not in runs:
+            runs[r] = run_stream("static", wcfg, replace(cfg, static_split=r), rcost, tcost)
+
+    for r in cands:
+        sim_r(r)
+    if refine:
+        best = max(runs, key=lambda r: runs[r]["throughput"])
+        i = cands.index(best)
+        lo, hi = cands[max(0, i - 1)], cands[min(len(cands) - 1, i + 1)]
+        for r in range(lo, hi + 1):
+            sim_r(r)
+    by_r = {r: runs[r]["throughput"] for r in sorted(runs)}
+    best = max(by_r, key=by_r.get)
+    return {"best_r": best, "best": by_r[best], "throughput_by_r": by_r, "runs": runs}
 
 
 def run_policy(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost,
