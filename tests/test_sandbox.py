@@ -191,3 +191,14 @@ def test_sandboxes_of_killed_processes_are_swept(tmp_path):
     with sb.Sandbox(base, root=roots) as s:
         assert not os.path.ismount(merged) and not os.path.exists(os.path.dirname(merged))
         assert s.run("true").exit_code == 0
+
+
+def test_child_pid_survives_a_partial_status_line():
+    """bwrap's status line cut off by a kill still names the command's pid (a json.loads of the
+    line lost a trajectory in the fault-injection suite); no line: never started."""
+    from megatron_harts.rollout.sandbox import child_pid
+
+    full = b'{ "child-pid": 4242, "cgroup-namespace": 4026531835, "ipc-namespace": 4026532281 }\n{ "exit-code": 0 }\n'
+    assert child_pid(full) == 4242
+    assert child_pid(full[:60]) == 4242          # cut inside the namespaces
+    assert child_pid(b'{ "child-pi') is None and child_pid(b"") is None

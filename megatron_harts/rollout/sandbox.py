@@ -24,9 +24,9 @@ bubblewrap``); failures raise :class:`SandboxError` naming the step.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -429,9 +429,10 @@ class Sandbox:
             code = proc.wait()
         with os.fdopen(status_r, "rb") as f:
             status = f.read()
-        started = b"child-pid" in status
+        pid = child_pid(status)
+        started = pid is not None
         if started:  # bwrap's monitor exits on the command's status, before the namespace is torn down
-            _wait_gone(int(json.loads(status.splitlines()[0])["child-pid"]))
+            _wait_gone(pid)
         seconds = time.monotonic() - t0
         text = out.text()
         if timed_out:
@@ -445,6 +446,15 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"Sandbox(base={self.base_dir}, root={self.root}, closed={self.closed})"
+
+
+def child_pid(status: bytes) -> int | None:
+    """The sandboxed command's pid from bwrap's ``--json-status-fd`` output (``{"child-pid": N,
+    ...namespaces}`` once the sandbox is up), or None if it never started. A bwrap killed while
+    writing the line (fault injection kills sandbox processes at random) leaves it partial, which
+    ``json.loads`` rejects (seen: "Expecting ',' delimiter" lost a trajectory): the pid alone is read."""
+    m = re.search(rb'"child-pid"\s*:\s*(\d+)', status)
+    return int(m.group(1)) if m else None
 
 
 def _wait_gone(pid: int, grace_s: float = 5.0) -> None:
