@@ -437,7 +437,7 @@ def part_h200(args, sink) -> None:
     from megatron_harts.rollout.engines import SGLangServer
     from megatron_harts.rollout.war.router import RouterServer
     from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler
-    from megatron_harts.rollout.war.sglang_plugin import CORPUS_ENV, TrajectoryFeed, write_plugin_dist
+    from megatron_harts.rollout.war.sglang_plugin import CORPUS_ENV, DRAFT_ENV, TrajectoryFeed, write_plugin_dist
 
     clock = _Clock(args.t0, args.deadline_s)
     # -- preflight: what would make every server or step fail, before any GPU time is spent
@@ -532,7 +532,7 @@ def part_h200(args, sink) -> None:
         return max(60.0, min(1800.0, clock.left() + 30))
 
     def server(extra: list[str], name: str, feed: Path | None = None, mem: float | None = None) -> SGLangServer:
-        e = dict(env, **({CORPUS_ENV: str(feed)} if feed is not None else {}))
+        e = dict(env, **({CORPUS_ENV: str(feed), DRAFT_ENV: args.suffix_draft} if feed is not None else {}))
         srv = SGLangServer(args.model_path, mem_fraction_static=mem or frac, extra_args=common + extra, env=e,
                            log_path=str(logs / f"{name}.log"),
                            startup_timeout=max(60.0, min(400.0, clock.left() - 20)))
@@ -906,6 +906,9 @@ def main(argv=None) -> int:
     p.add_argument("--hybrid-cache", action="store_true",
                    help="h200: WAR's prefix model credits only whole earlier sequences (SGLang's cache on a "
                         "Mamba / GDN hybrid keeps a state per cached request, not per token)")
+    p.add_argument("--suffix-draft", default="tree", choices=("tree", "chain"),
+                   help="h200: the HARTS_SUFFIX server's draft shape ($HARTS_SUFFIX_DRAFT; run 1 of 2026-12-03 "
+                        "drafted chains)")
     p.add_argument("--parallel-start", action="store_true",
                    help="h200: start the high-load replicas at once (default: one after another). SGLang 0.5.17 sizes "
                         "a hybrid model's state pool from the memory free when it starts, so servers allocating "

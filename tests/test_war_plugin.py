@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_harts.rollout.war.sglang_plugin import (ALGO_NAME, ENTRY_POINT, SuffixCorpus, TrajectoryFeed, group_of,
-                                                      sglang_site, write_plugin_dist)
+from megatron_harts.rollout.war.sglang_plugin import (ALGO_NAME, DRAFT_ENV, ENTRY_POINT, SuffixCorpus, TrajectoryFeed,
+                                                      draft_config, group_of, sglang_site, write_plugin_dist)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = "harts_suffix = megatron_harts.rollout.war.sglang_plugin:register"
@@ -44,8 +44,8 @@ try:
 except ImportError as e:
     out["worker"] = f"ImportError: {e}"
 from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
-from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus
-c = SuffixCorpus(6)
+from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus, draft_config
+c = SuffixCorpus(6, draft_config(6, "chain"))
 c.drafter.add_trajectory([5, 6, 7, 8, 9, 10, 11], "g")
 ids, mask = c.batch_get(["g/0#1", "x/0#1"], [[1, 5, 6], [3, 3]], [3, 2])
 n = 6
@@ -97,7 +97,7 @@ def test_setup_py_declares_the_entry_point():
 
 def test_corpus_layout_feed_and_errors(tmp_path):
     feed = tmp_path / "feed.jsonl"
-    c = SuffixCorpus(5, feed=str(feed), poll_s=0.0)
+    c = SuffixCorpus(5, draft_config(5, "chain"), feed=str(feed), poll_s=0.0)
     TrajectoryFeed(feed).add([1, 2, 3, 4, 5, 6], "grp")
     with open(feed, "a") as f:
         f.write('{"group": "grp", "tokens": [9, 9')          # a line still being written
@@ -139,3 +139,17 @@ def test_feed_is_indexed_a_slice_per_scheduler_call(tmp_path):
     TrajectoryFeed(feed).add(list(range(7)), "grp")
     assert c.poll() == 1 and c.drafter.pending_tokens == 0 and c.drafter.indexed_tokens == 2007
     assert c.drafter.cfg.max_depth == 32                               # the plugin's depth (docs/war.md)
+
+
+def test_server_drafter_shape_tree_by_default_chain_on_request(monkeypatch):
+    """The server's drafter drafts trees (up to twice the match length) unless
+    ``$HARTS_SUFFIX_DRAFT=chain``; another value is a one-line error."""
+    monkeypatch.delenv(DRAFT_ENV, raising=False)
+    cfg = SuffixCorpus(17).drafter.cfg
+    assert cfg.tree and cfg.max_spec_factor == 2.0 and cfg.budget == 16 and cfg.max_depth == 32
+    monkeypatch.setenv(DRAFT_ENV, "chain")
+    cfg = SuffixCorpus(17).drafter.cfg
+    assert not cfg.tree and cfg.max_spec_factor == 1.0
+    monkeypatch.setenv(DRAFT_ENV, "bush")
+    with pytest.raises(ValueError, match="HARTS_SUFFIX_DRAFT"):
+        SuffixCorpus(17)
