@@ -187,3 +187,96 @@ class Planner:
             if saving <= self.switch_s * moved / self.gpus + 1e-9:
                 r = current
         return Plan("async", r, self.gpus - r, costs[r], {"costs": costs})
+
+
+@dataclass
+class StreamMeasure:
+    """What the streaming driver measured over a sliding window of recent training steps (the
+    interval before step 0, which holds the pipeline's cold start, is never part of it).
+
+    ``rollout_tok_s``: generated tokens of the groups that completed in the window per
+    busy engine-second (decode + prefill) in the window: one engine's useful rollout rate.
+    ``batch_tokens``: generated tokens per training batch (``groups`` completed groups, at the
+    window's mean group size). ``train_s`` / ``train_gpus``: the latest step's measured training
+    seconds and the GPUs it trained on. ``idle_frac``: the fraction of the window in which training
+    waited for data (> 0: the rollout is the bottleneck). ``intervals``: measured steps in the window."""
+
+    rollout_tok_s: float
+    batch_tokens: float
+    train_s: float
+    train_gpus: int
+    idle_frac: float
+    intervals: int
+
+
+@dataclass
+class StreamPlanner:
+    """Re-split for streaming bounded-staleness RL from **measured** rates, not the bulk cost model.
+
+    Predicted seconds per step on ``R`` rollout GPUs: max(``batch_tokens / (rollout_tok_s x R)``,
+    ``train_s`` rescaled to ``N - R`` GPUs by the training cost model's shape + ``sync_s``): the
+    pipeline's bottleneck. Rules, in order:
+
+    * no re-split before ``min_intervals`` measured steps;
+    * never against the measured bottleneck: when training waited for data (``idle_frac >
+      idle_tol``: rollout-bound) GPUs never move to training; when it did not (training-bound),
+      GPUs never move to rollout;
+    * hysteresis: the move is taken only if the predicted saving over the next ``min(horizon,
+      steps_left)`` steps, less the steps that pass while the moved GPUs switch, exceeds ``margin`` x the switch cost both ways: ``moved x switch_in /
+      (GPUs on the receiving side)`` (the bottleneck side gets them late) + ``moved x switch_out /
+      (GPUs on the giving side)`` (the same GPUs going back later)."""
+
+    train: TrainCost
+    gpus: int
+    sync_s: float = 0.39
+    switch_s: float = 10.0          # training -> rollout, one GPU
+    switch_back_s: float = 10.0     # rollout -> training, one GPU
+    horizon: int = 5
+    margin: float = 1.5
+    min_intervals: int = 2
+    idle_tol: float = 0.02
+
+    def rollout_step_s(self, m: StreamMeasure, r: int) -> float:
+        return m.batch_tokens / max(m.rollout_tok_s * r, 1e-12)
+
+    def train_step_s(self, m: StreamMeasure, gpus: int, work: tuple[float, float]) -> float:
+        """Measured training seconds rescaled from ``m.train_gpus`` to ``gpus`` GPUs with the cost
+        model's shape for ``work`` = (compact tokens, mean length) of the latest batch; + sync."""
+        comp, mlen = work
+        ref = self.train.step_s(comp, mlen, m.train_gpus)
+        scale = m.train_s / ref if ref > 0 and math.isfinite(ref) else 1.0
+        return self.train.step_s(comp, mlen, gpus) * scale + self.sync_s
+
+    def step_s(self, m: StreamMeasure, r: int, work: tuple[float, float]) -> float:
+        return max(self.rollout_step_s(m, r), self.train_step_s(m, self.gpus - r, work))
+
+    def switch_cost_s(self, current: int, target: int) -> float:
+        """Pipeline seconds a move from ``current`` to ``target`` rollout GPUs costs, both ways."""
+        moved = abs(target - current)
+        if moved == 0:
+            return 0.0
+        if target > current:          # training -> rollout: rollout (receiving) gets them switch_s late
+            return moved * self.switch_s / target + moved * self.switch_back_s / (self.gpus - target)
+        return moved * self.switch_back_s / (self.gpus - target) + moved * self.switch_s / target
+
+    def plan(self, m: StreamMeasure | None, current: int, work: tuple[float, float], steps_left: int) -> Plan:
+        """``current`` or a better split; ``detail['why']`` says which rule decided."""
+        if m is None or m.intervals < self.min_intervals:
+            return Plan("stream", current, self.gpus - current, math.nan, {"why": "not converged"})
+        costs = {r: self.step_s(m, r, work) for r in range(1, self.gpus)}
+        rollout_bound = m.idle_frac > self.idle_tol
+        allowed = [r for r in costs if (r >= current if rollout_bound else r <= current)]
+        best = min(allowed, key=lambda r: (costs[r], abs(r - current)))
+        detail = {"costs": costs, "rollout_bound": rollout_bound, "unconstrained": min(costs, key=costs.get)}
+        if best == current:
+            return Plan("stream", current, self.gpus - current, costs[current], {**detail, "why": "best"})
+        # the new split only takes effect once the moved GPUs have switched: the saving accrues over
+        # the steps of the horizon left after the switch
+        delay = self.switch_s if best > current else self.switch_back_s
+        steps = max(0.0, min(self.horizon, steps_left) - delay / max(costs[current], 1e-9))
+        gain = (costs[current] - costs[best]) * steps
+        cost = self.switch_cost_s(current, best)
+        detail.update(gain_s=gain, switch_cost_s=cost, candidate=best)
+        if gain <= self.margin * cost:
+            return Plan("stream", current, self.gpus - current, costs[current], {**detail, "why": "hysteresis"})
+        return Plan("stream", best, self.gpus - best, costs[best], {**detail, "why": "move"})
