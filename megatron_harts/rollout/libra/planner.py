@@ -199,7 +199,8 @@ class StreamMeasure:
     ``batch_tokens``: generated tokens per training batch (``groups`` completed groups, at the
     window's mean group size). ``train_s`` / ``train_gpus``: the latest step's measured training
     seconds and the GPUs it trained on. ``idle_frac``: the fraction of the window in which training
-    waited for data (> 0: the rollout is the bottleneck). ``intervals``: measured steps in the window."""
+    waited for data (> 0: the rollout is the bottleneck). ``intervals``: measured steps in the window.
+    ``drain_s``: how long a drained engine keeps its GPU (the window's 90th percentile turn seconds)."""
 
     rollout_tok_s: float
     batch_tokens: float
@@ -207,6 +208,7 @@ class StreamMeasure:
     train_gpus: int
     idle_frac: float
     intervals: int
+    drain_s: float = 0.0            # seconds a drained engine keeps running (its turns in flight end)
 
 
 @dataclass
@@ -222,7 +224,8 @@ class StreamPlanner:
       idle_tol``: rollout-bound) GPUs never move to training; when it did not (training-bound),
       GPUs never move to rollout;
     * hysteresis: the move is taken only if the predicted saving over the next ``min(horizon,
-      steps_left)`` steps, less the steps that pass while the moved GPUs switch, exceeds ``margin`` x the switch cost both ways: ``moved x switch_in /
+      steps_left)`` steps, less the steps that pass while the moved GPUs switch (to training: after
+      their running turns end, ``drain_s``), exceeds ``margin`` x the switch cost both ways: ``moved x switch_in /
       (GPUs on the receiving side)`` (the bottleneck side gets them late) + ``moved x switch_out /
       (GPUs on the giving side)`` (the same GPUs going back later)."""
 
@@ -248,6 +251,7 @@ class StreamPlanner:
         return self.train.step_s(comp, mlen, gpus) * scale + self.sync_s
 
     def step_s(self, m: StreamMeasure, r: int, work: tuple[float, float]) -> float:
+        """Predicted seconds per step on ``r`` rollout GPUs: the slower of the two sides."""
         return max(self.rollout_step_s(m, r), self.train_step_s(m, self.gpus - r, work))
 
     def switch_cost_s(self, current: int, target: int) -> float:
@@ -272,7 +276,7 @@ class StreamPlanner:
             return Plan("stream", current, self.gpus - current, costs[current], {**detail, "why": "best"})
         # the new split only takes effect once the moved GPUs have switched: the saving accrues over
         # the steps of the horizon left after the switch
-        delay = self.switch_s if best > current else self.switch_back_s
+        delay = self.switch_s if best > current else m.drain_s + self.switch_back_s
         steps = max(0.0, min(self.horizon, steps_left) - delay / max(costs[current], 1e-9))
         gain = (costs[current] - costs[best]) * steps
         cost = self.switch_cost_s(current, best)

@@ -120,6 +120,8 @@ class EnginePool:
         self.on_engine_left: Optional[Callable[[int, float], None]] = None
         self.prefill_tokens = 0
         self.cache_misses = 0
+        self.turn_log: list[tuple[float, float]] = []   # (end s, seconds from admission) per finished turn
+        self._admitted: dict[int, float] = {}
 
     # -- building ----------------------------------------------------------------------------
 
@@ -227,6 +229,7 @@ class EnginePool:
         e.t = max(e.t, now) + pre
         e.busy_s += pre
         self.prefill_tokens += new
+        self._admitted[i] = now
         e.rem.append(int(p.gen[t]))
         e.ctx.append(ctx)
         e.prog.append(i)
@@ -316,6 +319,7 @@ class EnginePool:
                 continue
             p, t = self.programs[i], self.turn[i]
             self.attained[i] += int(p.gen[t])
+            self.turn_log.append((now, now - self._admitted.pop(i, now)))
             self.cached[i] = fin_ctx[i]
             self.turn[i] = t + 1
             if self.turn[i] >= p.turns:
@@ -882,9 +886,12 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
             return None
         idle = sum(m["idle"] for m in marks[max(0, j - window) + 1:j + 1])
         last = rows[-1]
+        # a drained engine leaves once all its running turns end: the window's longest turn
+        turns = [d for (t, d) in pool.turn_log if a["t"] < t <= b["t"]]
         return StreamMeasure(rollout_tok_s=sum(got) / busy, batch_tokens=G * float(np.mean(got)),
                              train_s=last["train_s"], train_gpus=last["train_gpus"],
-                             idle_frac=idle / span, intervals=j - max(0, j - window))
+                             idle_frac=idle / span, intervals=j - max(0, j - window),
+                             drain_s=float(max(turns)) if turns else 0.0)
 
     def version_of(gid: int) -> float:
         ts = [pool.started[i] for i in members[gid] if not math.isnan(pool.started[i])]
@@ -915,9 +922,11 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
         cur = len(pool.active_engines)
         nprog, kk = G * wcfg.group_size, max(k, 1)
         if planner_mode == "measured":
-            plan = planner.plan(measure(j, now), cur, _train_work(progs, tcost), cfg.steps - j - 1)
+            m = measure(j, now)
+            plan = planner.plan(m, cur, _train_work(progs, tcost), cfg.steps - j - 1)
             target = plan.rollout_gpus
             decisions.append({"step": j, "current": cur, "target": target, "why": plan.detail.get("why"),
+                              "measure": None if m is None else dict(vars(m)), "pred_step_s": plan.predicted_step_s,
                               **{x: plan.detail[x] for x in ("candidate", "gain_s", "switch_cost_s", "rollout_bound")
                                  if x in plan.detail}})
         else:
