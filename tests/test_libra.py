@@ -726,3 +726,19 @@ def test_turn_log_records_admission_to_completion():
     # the first turn: admitted at 0; the second: admitted when the tool returns
     assert d1 == pytest.approx(e1) and e2 - d2 == pytest.approx(e1 + 3.0)
     assert e2 == pool.done_at[0]
+
+
+def test_stream_planner_latency_bound_rollout_scales_like_an_iteration():
+    """A rollout whose iterations are all fixed cost (load 0) is not sped up by engines; one whose
+    iterations are all load scales as 1 / engines; the capacity model always as 1 / engines."""
+    tc = costs.fit_train_cost()
+    sp = planner.StreamPlanner(tc, 16)
+    for load, want in ((0.0, 1.0), (1.0, 0.5), (0.25, 0.875)):
+        m = _measure(current=8, load_frac=load)
+        assert sp.rollout_step_s(m, 16) / sp.rollout_step_s(m, 8) == pytest.approx(want)
+    cap = planner.StreamPlanner(tc, 16, latency_bound=False)
+    assert cap.rollout_step_s(_measure(current=8, load_frac=0.0), 16) == pytest.approx(80_000 / (1000 * 16))
+    # rollout-bound with no load share: more engines predict no gain, so the planner keeps its split
+    m = _measure(current=8, load_frac=0.0, idle_frac=0.5, rollout_tok_s=100.0)
+    assert planner.StreamPlanner(tc, 16, switch_s=0.0, switch_back_s=0.0, margin=0.0).plan(m, 8, _work(), 5).rollout_gpus == 8
+    assert cap.plan(m, 8, _work(), 5).rollout_gpus > 8

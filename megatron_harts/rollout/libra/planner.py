@@ -200,7 +200,9 @@ class StreamMeasure:
     window's mean group size). ``train_s`` / ``train_gpus``: the latest step's measured training
     seconds and the GPUs it trained on. ``idle_frac``: the fraction of the window in which training
     waited for data (> 0: the rollout is the bottleneck). ``intervals``: measured steps in the window.
-    ``drain_s``: how long a drained engine keeps its GPU (the window's 90th percentile turn seconds)."""
+    ``drain_s``: how long a drained engine keeps its GPU (the window's longest turn). ``current``:
+    rollout engines during the measurement; ``load_frac``: 1 - a x decode iterations / decode
+    seconds over the window; ``occupancy``: mean running batch / ``max_batch`` (reported only)."""
 
     rollout_tok_s: float
     batch_tokens: float
@@ -209,15 +211,24 @@ class StreamMeasure:
     idle_frac: float
     intervals: int
     drain_s: float = 0.0            # seconds a drained engine keeps running (its turns in flight end)
+    occupancy: float = 1.0          # mean running batch per engine / max_batch over the window
+    current: int = 0                # rollout engines when measured
+    load_frac: float = 1.0          # share of a decode iteration that grows with the engine's load (batch, context)
 
 
 @dataclass
 class StreamPlanner:
     """Re-split for streaming bounded-staleness RL from **measured** rates, not the bulk cost model.
 
-    Predicted seconds per step on ``R`` rollout GPUs: max(``batch_tokens / (rollout_tok_s x R)``,
-    ``train_s`` rescaled to ``N - R`` GPUs by the training cost model's shape + ``sync_s``): the
-    pipeline's bottleneck. Rules, in order:
+    Predicted seconds per step on ``R`` rollout GPUs: max(rollout per batch, ``train_s`` rescaled
+    to ``N - R`` GPUs by the training cost model's shape + ``sync_s``): the pipeline's bottleneck.
+    Rollout per batch on the ``current`` engines = ``batch_tokens / (rollout_tok_s x current)``
+    (measured); on ``R`` engines, with ``latency_bound`` (default), the same in-flight programs
+    spread over ``R`` engines: it scales like a decode iteration, ``1 - load_frac + load_frac x
+    current / R`` (``load_frac``: the measured share of an iteration above the calibrated fixed
+    cost ``a``, i.e. the part that batch and context add), since the streaming rollout is a chain
+    of turns per program, far from the engines' slot limit; without it, ``current / R`` (a rollout
+    bound by engine capacity). Rules, in order:
 
     * no re-split before ``min_intervals`` measured steps;
     * never against the measured bottleneck: when training waited for data (``idle_frac >
@@ -239,7 +250,14 @@ class StreamPlanner:
     min_intervals: int = 2
     idle_tol: float = 0.02
 
+    latency_bound: bool = True      # rollout time scales with the iteration time, not 1 / engines
+
     def rollout_step_s(self, m: StreamMeasure, r: int) -> float:
+        if self.latency_bound and m.current:
+            # the in-flight programs spread over r engines: the load part of an iteration scales
+            # as current / r, the fixed part does not; the rollout's turn chains scale with it
+            now = m.batch_tokens / max(m.rollout_tok_s * m.current, 1e-12)
+            return now * (1.0 - m.load_frac + m.load_frac * m.current / r)
         return m.batch_tokens / max(m.rollout_tok_s * r, 1e-12)
 
     def train_step_s(self, m: StreamMeasure, gpus: int, work: tuple[float, float]) -> float:

@@ -60,6 +60,8 @@ class Engine:
     prog: list = field(default_factory=list)    # program index of each running request
     busy_s: float = 0.0
     tokens: int = 0
+    iters: int = 0                      # decode iterations run (tokens / iters: the mean batch)
+    decode_s: float = 0.0               # seconds of decode iterations (decode_s / iters: the mean iteration)
 
     @property
     def batch(self) -> int:
@@ -79,7 +81,9 @@ class Engine:
         dt = float(self.cost.steps_time(n, B, C))
         self.t += dt
         self.busy_s += dt
+        self.decode_s += dt
         self.tokens += n * B
+        self.iters += n
         self.rem = [r - n for r in self.rem]
         self.ctx = [c + n for c in self.ctx]
 
@@ -888,10 +892,13 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
         last = rows[-1]
         # a drained engine leaves once all its running turns end: the window's longest turn
         turns = [d for (t, d) in pool.turn_log if a["t"] < t <= b["t"]]
+        iters = b["iters"] - a["iters"]
         return StreamMeasure(rollout_tok_s=sum(got) / busy, batch_tokens=G * float(np.mean(got)),
                              train_s=last["train_s"], train_gpus=last["train_gpus"],
                              idle_frac=idle / span, intervals=j - max(0, j - window),
-                             drain_s=float(max(turns)) if turns else 0.0)
+                             drain_s=float(max(turns)) if turns else 0.0, current=len(pool.active_engines),
+                             occupancy=(b["tok"] - a["tok"]) / iters / rcost.max_batch if iters else 1.0,
+                             load_frac=max(0.0, 1.0 - rcost.a_s * iters / (b["dec"] - a["dec"])) if iters else 1.0)
 
     def version_of(gid: int) -> float:
         ts = [pool.started[i] for i in members[gid] if not math.isnan(pool.started[i])]
@@ -969,7 +976,8 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
             live.discard(g)
         start = t
         waited = t > st["busy_until"]                 # training idled: the rollout was the bottleneck
-        marks.append({"t": t, "busy": sum(e.busy_s for e in pool.engines),
+        marks.append({"t": t, "busy": sum(e.busy_s for e in pool.engines), "tok": sum(e.tokens for e in pool.engines),
+                      "iters": sum(e.iters for e in pool.engines), "dec": sum(e.decode_s for e in pool.engines),
                       "idle": max(0.0, t - st["busy_until"]) if j > 0 else 0.0})
         est.update(progs)
         if policy == "libra" and j + 1 < cfg.steps:
