@@ -57,8 +57,10 @@ RUNS = [  # (label, policy, staleness)
 # hindsight rows (sim.hindsight_static_split) are added for --hindsight settings at the largest k
 STREAM_RUNS = [
     ("static (stream k={k})", "static", {}),
-    ("libra (stream k={k})", "libra", {}),
-    ("libra, cost model only (stream k={k})", "libra", {"feedback": False}),
+    ("libra (stream k={k})", "libra", {}),     # planner.StreamPlanner: measured rates, bottleneck rule, hysteresis
+    # the earlier variant: the bulk cost model (plan_async) x the measured correction, and without it
+    ("libra, bulk model + correction (stream k={k})", "libra", {"planner_mode": "model"}),
+    ("libra, cost model only (stream k={k})", "libra", {"planner_mode": "model", "feedback": False}),
 ]
 HINDSIGHT = "static hindsight (stream k={k})"
 
@@ -78,7 +80,10 @@ def _row(setting: str, label: str, gpus: int, k: int, out: dict, wall: float) ->
                    aborted_groups=out["aborted_groups"], discarded_tokens=out["discarded_tokens"],
                    generated_tokens=out["generated_tokens"], max_staleness=out["max_staleness"],
                    mean_staleness=round(out["mean_staleness"], 2),
-                   rollout_scale=round(out["rollout_scale"], 3))
+                   rollout_scale=round(out["rollout_scale"], 3), planner_mode=out.get("planner_mode"))
+        if out.get("decisions"):
+            row["decisions"] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in d.items() if k != "measure"}
+                                for d in out["decisions"]]
     return row
 
 

@@ -601,3 +601,144 @@ def test_switch_back_s_is_the_rollout_to_training_switch():
     tr = tc.step_s(workload.compact_tokens(progs), np.mean([p.tokens for p in progs]), cfg.gpus)
     assert out["step_s"] == pytest.approx(ro + 3.0 + 0.5 + tr + cfg.sync_s)
     assert sim.SimConfig(switch_s=7.0).back_s == 7.0
+
+
+# -- streaming planner from measured rates ----------------------------------------------------------
+
+def _measure(**kw):
+    base = dict(rollout_tok_s=1000.0, batch_tokens=80_000.0, train_s=10.0, train_gpus=8, idle_frac=0.0,
+                intervals=3, drain_s=0.0)
+    return planner.StreamMeasure(**{**base, **kw})
+
+
+def _work():
+    return 2e6, 4000.0
+
+
+def test_stream_planner_balances_the_measured_rates():
+    """With both rates measured, the unconstrained choice is where rollout per batch and training +
+    sync cross, and the prediction at the current split is the measured bottleneck."""
+    tc = costs.fit_train_cost()
+    sp = planner.StreamPlanner(tc, 16, sync_s=0.5, switch_s=0.0, switch_back_s=0.0, margin=0.0)
+    m = _measure()
+    # calibrated: the training time on the measured GPUs is the measured one, + sync
+    assert sp.train_step_s(m, 8, _work()) == pytest.approx(10.0 + 0.5)
+    assert sp.rollout_step_s(m, 8) == pytest.approx(80_000 / (1000 * 8))
+    costs_ = {r: sp.step_s(m, r, _work()) for r in range(1, 16)}
+    best = min(costs_, key=costs_.get)
+    ro = [sp.rollout_step_s(m, r) for r in range(1, 16)]
+    tr = [sp.train_step_s(m, 16 - r, _work()) for r in range(1, 16)]
+    assert all(a >= b for a, b in zip(ro, ro[1:])) and all(a <= b for a, b in zip(tr, tr[1:]))
+    # the crossing: one more rollout GPU makes training the bottleneck, one fewer the rollout
+    assert sp.rollout_step_s(m, best - 1) > sp.train_step_s(m, 16 - best + 1, _work()) or best == 1
+    # free switches, no margin: a training-bound pipeline (idle 0) far from the crossing moves to it
+    start = 15 if best < 15 else 1
+    plan = sp.plan(m, start, _work(), steps_left=5)
+    assert plan.rollout_gpus == best and plan.detail["why"] == "move"
+
+
+def test_stream_planner_never_moves_against_the_measured_bottleneck():
+    tc = costs.fit_train_cost()
+    sp = planner.StreamPlanner(tc, 16, sync_s=0.5, switch_s=0.0, switch_back_s=0.0, margin=0.0)
+    # the rate model says rollout is cheap (move GPUs to training) but training waited for data
+    fast = _measure(rollout_tok_s=1e6, idle_frac=0.3)
+    assert sp.plan(fast, 12, _work(), 5).rollout_gpus >= 12
+    assert sp.plan(replace(fast, idle_frac=0.0), 12, _work(), 5).rollout_gpus < 12    # the rule, not the model
+    # the rate model says rollout is slow (move GPUs to rollout) but training never waited
+    slow = _measure(rollout_tok_s=10.0, idle_frac=0.0)
+    assert sp.plan(slow, 4, _work(), 5).rollout_gpus <= 4
+    assert sp.plan(replace(slow, idle_frac=0.3), 4, _work(), 5).rollout_gpus > 4
+
+
+def test_stream_planner_hysteresis_blocks_a_switch_below_its_cost():
+    tc = costs.fit_train_cost()
+    m = _measure(rollout_tok_s=1e6)              # training-bound: fewer rollout GPUs are better
+    free = planner.StreamPlanner(tc, 16, sync_s=0.5, switch_s=0.0, switch_back_s=0.0, margin=0.0)
+    moved = free.plan(m, 12, _work(), 5)
+    assert moved.rollout_gpus < 12
+    gain = moved.detail["gain_s"]
+    # a switch whose two-way cost x margin exceeds the predicted gain keeps the split
+    for kw in ({"switch_s": 1e4, "switch_back_s": 1e4}, {"switch_s": 1.0, "switch_back_s": 1.0, "margin": 1e6}):
+        sp = planner.StreamPlanner(tc, 16, sync_s=0.5, **kw)
+        plan = sp.plan(m, 12, _work(), 5)
+        assert plan.rollout_gpus == 12 and plan.detail["why"] == "hysteresis"
+        assert plan.detail["gain_s"] <= sp.margin * plan.detail["switch_cost_s"]
+    # the cost counts both ways: moving 4 GPUs to training costs 4 x 10 s / 8 trainers + 4 x 10 s / 8 engines
+    sp = planner.StreamPlanner(tc, 16, switch_s=10.0, switch_back_s=10.0)
+    assert sp.switch_cost_s(12, 8) == pytest.approx(4 * 10 / 8 + 4 * 10 / 8)
+    assert sp.switch_cost_s(12, 12) == 0.0
+    # no steps left, or a drain that outlasts the horizon: no gain, no move
+    assert free.plan(m, 12, _work(), 0).rollout_gpus == 12
+    long_drain = replace(m, drain_s=1e6)
+    assert planner.StreamPlanner(tc, 16, switch_s=0.0, switch_back_s=0.0, margin=0.0).plan(
+        long_drain, 12, _work(), 5).rollout_gpus == 12
+    assert gain > 0
+
+
+def test_stream_planner_waits_for_a_converged_estimate():
+    tc = costs.fit_train_cost()
+    sp = planner.StreamPlanner(tc, 16, switch_s=0.0, switch_back_s=0.0, margin=0.0)
+    m = _measure(rollout_tok_s=1e6)
+    assert sp.plan(None, 12, _work(), 5).detail["why"] == "not converged"
+    assert sp.plan(replace(m, intervals=1), 12, _work(), 5).rollout_gpus == 12
+    assert sp.plan(replace(m, intervals=2), 12, _work(), 5).rollout_gpus < 12
+
+
+def test_stream_libra_measured_decisions_follow_the_rules():
+    """In the driver: no re-split before 2 measured steps, never toward training when training
+    waited for data nor toward rollout when it did not; a measured window exists from step 1."""
+    w = _tailed(steps=8)
+    _, _, rc, tc = _small()
+    cfg = sim.SimConfig(gpus=6, steps=w.steps, sync_s=0.5, switch_s=1.0, staleness=2)
+    out = sim.run_stream("libra", w, cfg, rc, tc)
+    assert out["planner_mode"] == "measured" and len(out["decisions"]) == w.steps - 1
+    d = out["decisions"]
+    assert d[0]["why"] == d[1]["why"] == "not converged" and d[0]["measure"] is None
+    for x in d[2:]:
+        m = x["measure"]
+        assert m is not None and m["intervals"] == min(3, x["step"]) and m["rollout_tok_s"] > 0
+        if x["rollout_bound"]:
+            assert x["target"] >= x["current"]
+        else:
+            assert x["target"] <= x["current"]
+    assert [r["rollout_gpus"] for r in out["rows"]][:3] == [out["static_split"]] * 3
+    # a starved rollout (1 of 6 GPUs): training waits, the planner moves GPUs to rollout, only that
+    # way, and beats the fixed split it started from
+    starved = replace(cfg, static_split=1)
+    lib = sim.run_stream("libra", w, starved, rc, tc)
+    moves = [x for x in lib["decisions"] if x["target"] != x["current"]]
+    assert moves and all(x["rollout_bound"] and x["target"] > x["current"] for x in moves)
+    assert lib["throughput"] > sim.run_stream("static", w, starved, rc, tc)["throughput"]
+    # the earlier variant is still there, and a bad mode is refused
+    old = sim.run_stream("libra", w, cfg, rc, tc, planner_mode="model")
+    assert old["planner_mode"] == "model" and old["decisions"] == []
+    with pytest.raises(ValueError):
+        sim.run_stream("libra", w, cfg, rc, tc, planner_mode="bulk")
+
+
+def test_turn_log_records_admission_to_completion():
+    rc = _rc()
+    pool = sim.EnginePool([(rc, 0)], cmlfq.FCFS())
+    pool.add_programs([_prog([100, 50], prompt=300, obs=[5], tool=[3.0])], 0.0)
+    pool.run()
+    assert len(pool.turn_log) == 2
+    (e1, d1), (e2, d2) = pool.turn_log
+    # the first turn: admitted at 0; the second: admitted when the tool returns
+    assert d1 == pytest.approx(e1) and e2 - d2 == pytest.approx(e1 + 3.0)
+    assert e2 == pool.done_at[0]
+
+
+def test_stream_planner_latency_bound_rollout_scales_like_an_iteration():
+    """A rollout whose iterations are all fixed cost (load 0) is not sped up by engines; one whose
+    iterations are all load scales as 1 / engines; the capacity model always as 1 / engines."""
+    tc = costs.fit_train_cost()
+    sp = planner.StreamPlanner(tc, 16)
+    for load, want in ((0.0, 1.0), (1.0, 0.5), (0.25, 0.875)):
+        m = _measure(current=8, load_frac=load)
+        assert sp.rollout_step_s(m, 16) / sp.rollout_step_s(m, 8) == pytest.approx(want)
+    cap = planner.StreamPlanner(tc, 16, latency_bound=False)
+    assert cap.rollout_step_s(_measure(current=8, load_frac=0.0), 16) == pytest.approx(80_000 / (1000 * 16))
+    # rollout-bound with no load share: more engines predict no gain, so the planner keeps its split
+    m = _measure(current=8, load_frac=0.0, idle_frac=0.5, rollout_tok_s=100.0)
+    assert planner.StreamPlanner(tc, 16, switch_s=0.0, switch_back_s=0.0, margin=0.0).plan(m, 8, _work(), 5).rollout_gpus == 8
+    assert cap.plan(m, 8, _work(), 5).rollout_gpus > 8

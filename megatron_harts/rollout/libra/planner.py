@@ -187,3 +187,118 @@ class Planner:
             if saving <= self.switch_s * moved / self.gpus + 1e-9:
                 r = current
         return Plan("async", r, self.gpus - r, costs[r], {"costs": costs})
+
+
+@dataclass
+class StreamMeasure:
+    """What the streaming driver measured over a sliding window of recent training steps (the
+    interval before step 0, which holds the pipeline's cold start, is never part of it).
+
+    ``rollout_tok_s``: generated tokens of the groups that completed in the window per
+    busy engine-second (decode + prefill) in the window: one engine's useful rollout rate.
+    ``batch_tokens``: generated tokens per training batch (``groups`` completed groups, at the
+    window's mean group size). ``train_s`` / ``train_gpus``: the latest step's measured training
+    seconds and the GPUs it trained on. ``idle_frac``: the fraction of the window in which training
+    waited for data (> 0: the rollout is the bottleneck). ``intervals``: measured steps in the window.
+    ``drain_s``: how long a drained engine keeps its GPU (the window's longest turn). ``current``:
+    rollout engines during the measurement; ``load_frac``: 1 - a x decode iterations / decode
+    seconds over the window; ``occupancy``: mean running batch / ``max_batch`` (reported only)."""
+
+    rollout_tok_s: float
+    batch_tokens: float
+    train_s: float
+    train_gpus: int
+    idle_frac: float
+    intervals: int
+    drain_s: float = 0.0            # seconds a drained engine keeps running (its turns in flight end)
+    occupancy: float = 1.0          # mean running batch per engine / max_batch over the window
+    current: int = 0                # rollout engines when measured
+    load_frac: float = 1.0          # share of a decode iteration that grows with the engine's load (batch, context)
+
+
+@dataclass
+class StreamPlanner:
+    """Re-split for streaming bounded-staleness RL from **measured** rates, not the bulk cost model.
+
+    Predicted seconds per step on ``R`` rollout GPUs: max(rollout per batch, ``train_s`` rescaled
+    to ``N - R`` GPUs by the training cost model's shape + ``sync_s``): the pipeline's bottleneck.
+    Rollout per batch on the ``current`` engines = ``batch_tokens / (rollout_tok_s x current)``
+    (measured); on ``R`` engines, with ``latency_bound`` (default), the same in-flight programs
+    spread over ``R`` engines: it scales like a decode iteration, ``1 - load_frac + load_frac x
+    current / R`` (``load_frac``: the measured share of an iteration above the calibrated fixed
+    cost ``a``, i.e. the part that batch and context add), since the streaming rollout is a chain
+    of turns per program, far from the engines' slot limit; without it, ``current / R`` (a rollout
+    bound by engine capacity). Rules, in order:
+
+    * no re-split before ``min_intervals`` measured steps;
+    * never against the measured bottleneck: when training waited for data (``idle_frac >
+      idle_tol``: rollout-bound) GPUs never move to training; when it did not (training-bound),
+      GPUs never move to rollout;
+    * hysteresis: the move is taken only if the predicted saving over the next ``min(horizon,
+      steps_left)`` steps, less the steps that pass while the moved GPUs switch (to training: after
+      their running turns end, ``drain_s``), exceeds ``margin`` x the switch cost both ways: ``moved x switch_in /
+      (GPUs on the receiving side)`` (the bottleneck side gets them late) + ``moved x switch_out /
+      (GPUs on the giving side)`` (the same GPUs going back later)."""
+
+    train: TrainCost
+    gpus: int
+    sync_s: float = 0.39
+    switch_s: float = 10.0          # training -> rollout, one GPU
+    switch_back_s: float = 10.0     # rollout -> training, one GPU
+    horizon: int = 5
+    margin: float = 1.5
+    min_intervals: int = 2
+    idle_tol: float = 0.02
+
+    latency_bound: bool = True      # rollout time scales with the iteration time, not 1 / engines
+
+    def rollout_step_s(self, m: StreamMeasure, r: int) -> float:
+        if self.latency_bound and m.current:
+            # the in-flight programs spread over r engines: the load part of an iteration scales
+            # as current / r, the fixed part does not; the rollout's turn chains scale with it
+            now = m.batch_tokens / max(m.rollout_tok_s * m.current, 1e-12)
+            return now * (1.0 - m.load_frac + m.load_frac * m.current / r)
+        return m.batch_tokens / max(m.rollout_tok_s * r, 1e-12)
+
+    def train_step_s(self, m: StreamMeasure, gpus: int, work: tuple[float, float]) -> float:
+        """Measured training seconds rescaled from ``m.train_gpus`` to ``gpus`` GPUs with the cost
+        model's shape for ``work`` = (compact tokens, mean length) of the latest batch; + sync."""
+        comp, mlen = work
+        ref = self.train.step_s(comp, mlen, m.train_gpus)
+        scale = m.train_s / ref if ref > 0 and math.isfinite(ref) else 1.0
+        return self.train.step_s(comp, mlen, gpus) * scale + self.sync_s
+
+    def step_s(self, m: StreamMeasure, r: int, work: tuple[float, float]) -> float:
+        """Predicted seconds per step on ``r`` rollout GPUs: the slower of the two sides."""
+        return max(self.rollout_step_s(m, r), self.train_step_s(m, self.gpus - r, work))
+
+    def switch_cost_s(self, current: int, target: int) -> float:
+        """Pipeline seconds a move from ``current`` to ``target`` rollout GPUs costs, both ways."""
+        moved = abs(target - current)
+        if moved == 0:
+            return 0.0
+        if target > current:          # training -> rollout: rollout (receiving) gets them switch_s late
+            return moved * self.switch_s / target + moved * self.switch_back_s / (self.gpus - target)
+        return moved * self.switch_back_s / (self.gpus - target) + moved * self.switch_s / target
+
+    def plan(self, m: StreamMeasure | None, current: int, work: tuple[float, float], steps_left: int) -> Plan:
+        """``current`` or a better split; ``detail['why']`` says which rule decided."""
+        if m is None or m.intervals < self.min_intervals:
+            return Plan("stream", current, self.gpus - current, math.nan, {"why": "not converged"})
+        costs = {r: self.step_s(m, r, work) for r in range(1, self.gpus)}
+        rollout_bound = m.idle_frac > self.idle_tol
+        allowed = [r for r in costs if (r >= current if rollout_bound else r <= current)]
+        best = min(allowed, key=lambda r: (costs[r], abs(r - current)))
+        detail = {"costs": costs, "rollout_bound": rollout_bound, "unconstrained": min(costs, key=costs.get)}
+        if best == current:
+            return Plan("stream", current, self.gpus - current, costs[current], {**detail, "why": "best"})
+        # the new split only takes effect once the moved GPUs have switched: the saving accrues over
+        # the steps of the horizon left after the switch
+        delay = self.switch_s if best > current else m.drain_s + self.switch_back_s
+        steps = max(0.0, min(self.horizon, steps_left) - delay / max(costs[current], 1e-9))
+        gain = (costs[current] - costs[best]) * steps
+        cost = self.switch_cost_s(current, best)
+        detail.update(gain_s=gain, switch_cost_s=cost, candidate=best)
+        if gain <= self.margin * cost:
+            return Plan("stream", current, self.gpus - current, costs[current], {**detail, "why": "hysteresis"})
+        return Plan("stream", best, self.gpus - best, costs[best], {**detail, "why": "move"})

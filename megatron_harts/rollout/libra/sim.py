@@ -60,6 +60,8 @@ class Engine:
     prog: list = field(default_factory=list)    # program index of each running request
     busy_s: float = 0.0
     tokens: int = 0
+    iters: int = 0                      # decode iterations run (tokens / iters: the mean batch)
+    decode_s: float = 0.0               # seconds of decode iterations (decode_s / iters: the mean iteration)
 
     @property
     def batch(self) -> int:
@@ -79,7 +81,9 @@ class Engine:
         dt = float(self.cost.steps_time(n, B, C))
         self.t += dt
         self.busy_s += dt
+        self.decode_s += dt
         self.tokens += n * B
+        self.iters += n
         self.rem = [r - n for r in self.rem]
         self.ctx = [c + n for c in self.ctx]
 
@@ -120,6 +124,8 @@ class EnginePool:
         self.on_engine_left: Optional[Callable[[int, float], None]] = None
         self.prefill_tokens = 0
         self.cache_misses = 0
+        self.turn_log: list[tuple[float, float]] = []   # (end s, seconds from admission) per finished turn
+        self._admitted: dict[int, float] = {}
 
     # -- building ----------------------------------------------------------------------------
 
@@ -227,6 +233,7 @@ class EnginePool:
         e.t = max(e.t, now) + pre
         e.busy_s += pre
         self.prefill_tokens += new
+        self._admitted[i] = now
         e.rem.append(int(p.gen[t]))
         e.ctx.append(ctx)
         e.prog.append(i)
@@ -316,6 +323,7 @@ class EnginePool:
                 continue
             p, t = self.programs[i], self.turn[i]
             self.attained[i] += int(p.gen[t])
+            self.turn_log.append((now, now - self._admitted.pop(i, now)))
             self.cached[i] = fin_ctx[i]
             self.turn[i] = t + 1
             if self.turn[i] >= p.turns:
@@ -781,10 +789,11 @@ class GroupSource:
 
 
 STREAM_POLICIES = ("static", "libra")
+STREAM_PLANNERS = ("measured", "model")
 
 
 def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: RolloutCost, tcost: TrainCost,
-               planner=None, *, feedback: bool = True) -> dict:
+               planner=None, *, feedback: bool = True, planner_mode: str = "measured", window: int = 3) -> dict:
     """Streaming, bounded-staleness asynchronous RL (SIMULATION). Rollout engines generate
     continuously; finished GRPO groups wait in a buffer; training step ``j`` (it turns weights of
     version ``j`` into ``j + 1``, published to the engines ``sync_s`` after its gradient step)
@@ -810,7 +819,13 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
       with the policy that generated them.
 
     ``static``: the split ``cfg.static_split`` or tuned on step 0 (:func:`tune_static_split` with
-    the asynchronous proxy when ``k >= 1``), fixed. ``libra``: same start, then ``planner.plan_async``
+    the asynchronous proxy when ``k >= 1``), fixed. ``libra`` with ``planner_mode="measured"`` (the
+    default): same start, then at every training step a :class:`~.planner.StreamPlanner` (or
+    ``planner`` if one is given) re-plans from what the run measured over the last ``window``
+    steps (:class:`~.planner.StreamMeasure`: useful generated tokens per busy engine-second,
+    tokens per batch, the latest training seconds, the fraction of time training waited for
+    data), with its bottleneck rule and hysteresis; ``feedback`` is ignored. ``libra`` with
+    ``planner_mode="model"`` (the earlier variant): ``planner.plan_async``
     (its estimator fed with the consumed groups) re-plans at every training step: engines drain and
     join training ``switch_back_s`` after their last turn ends; trainers become engines ``switch_s``
     after the step starts. With ``feedback`` the planner's rollout prediction is scaled by the
@@ -820,19 +835,25 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
 
     Returns :func:`run_policy`'s dict plus ``dropped_groups``, ``aborted_groups``,
     ``discarded_tokens`` (generated tokens thrown away), ``generated_tokens`` (all tokens decoded),
-    ``max_staleness`` / ``mean_staleness`` (over consumed groups), ``released_groups``, ``consumed``
+    ``max_staleness`` / ``mean_staleness`` (over consumed groups), ``released_groups``, ``decisions``
+    (measured planner: per step ``step``, ``current``, ``target``, ``why``), ``consumed``
     (per consumed group: ``step``, ``group``, ``version``, ``first_start_s``: its first admission); each row has ``step``,
     ``start`` / ``train_end`` (s), ``train_s``, ``step_s``, ``rollout_gpus``, ``train_gpus``,
     ``staleness`` (per consumed group), ``tokens``, ``programs``.
     """
-    from .planner import Planner, ProgramEstimator
+    from .planner import Planner, ProgramEstimator, StreamMeasure, StreamPlanner
     if policy not in STREAM_POLICIES:
         raise ValueError(f"run_stream supports {STREAM_POLICIES}, got {policy!r}")
+    if planner_mode not in STREAM_PLANNERS:
+        raise ValueError(f"planner_mode must be one of {STREAM_PLANNERS}, got {planner_mode!r}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     k, n, G = cfg.staleness, cfg.gpus, wcfg.groups
     if k < 0:
         raise ValueError(f"staleness must be >= 0, got {k}")
     if policy == "libra" and planner is None:
-        planner = Planner(rcost, tcost, n, sync_s=cfg.sync_s, switch_s=cfg.switch_s)
+        planner = (StreamPlanner(tcost, n, sync_s=cfg.sync_s, switch_s=cfg.switch_s, switch_back_s=cfg.back_s)
+                   if planner_mode == "measured" else Planner(rcost, tcost, n, sync_s=cfg.sync_s, switch_s=cfg.switch_s))
     r = _static_split(step_batch(wcfg, 0), rcost, tcost, cfg)
     if not 1 <= r < n:
         raise ValueError(f"the split needs 1 <= rollout GPUs < {n}, got {r}")
@@ -852,6 +873,32 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
           "wasted": 0, "max_stale": 0}
     rows: list[dict] = []
     consumed: list[dict] = []                  # per consumed group: step, group id, version, first admission (s)
+    finished: list[tuple[float, int]] = []     # (completion time s, generated tokens) per completed group
+    marks: list[dict] = []                     # per step start: time, busy engine-seconds so far, training idle before it
+    decisions: list[dict] = []
+
+    def measure(j: int, now: float) -> StreamMeasure | None:
+        """The window of the last ``window`` intervals between step starts (never before step 0)."""
+        if j < 1:
+            return None
+        a = marks[max(0, j - window)]
+        b = marks[j]
+        span = b["t"] - a["t"]
+        busy = b["busy"] - a["busy"]
+        got = [tok for (t, tok) in finished if a["t"] < t <= b["t"]]
+        if span <= 0 or busy <= 0 or not got:
+            return None
+        idle = sum(m["idle"] for m in marks[max(0, j - window) + 1:j + 1])
+        last = rows[-1]
+        # a drained engine leaves once all its running turns end: the window's longest turn
+        turns = [d for (t, d) in pool.turn_log if a["t"] < t <= b["t"]]
+        iters = b["iters"] - a["iters"]
+        return StreamMeasure(rollout_tok_s=sum(got) / busy, batch_tokens=G * float(np.mean(got)),
+                             train_s=last["train_s"], train_gpus=last["train_gpus"],
+                             idle_frac=idle / span, intervals=j - max(0, j - window),
+                             drain_s=float(max(turns)) if turns else 0.0, current=len(pool.active_engines),
+                             occupancy=(b["tok"] - a["tok"]) / iters / rcost.max_batch if iters else 1.0,
+                             load_frac=max(0.0, 1.0 - rcost.a_s * iters / (b["dec"] - a["dec"])) if iters else 1.0)
 
     def version_of(gid: int) -> float:
         ts = [pool.started[i] for i in members[gid] if not math.isnan(pool.started[i])]
@@ -878,15 +925,24 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
             st["wasted"] += sum(pool.abort(i, t) if math.isnan(pool.done_at[i]) else pool.programs[i].generated
                                 for i in members[gid])
 
-    def resplit(j: int, start: float, now: float, waited: bool) -> None:
+    def resplit(j: int, start: float, now: float, waited: bool, progs) -> None:
         cur = len(pool.active_engines)
         nprog, kk = G * wcfg.group_size, max(k, 1)
-        if feedback and waited and fb["prev_start"] is not None and fb["pred"]:
-            ratio = (start - fb["prev_start"]) / fb["pred"]
-            fb["scale"] = 0.5 * fb["scale"] + 0.5 * ratio
-        target = planner.plan_async(est, nprog, kk, current=cur, rollout_scale=fb["scale"]).rollout_gpus
-        fb["prev_start"] = start
-        fb["pred"] = planner.rollout_s(est, nprog, max(1, target), inflight=kk + 1)["per_batch"]
+        if planner_mode == "measured":
+            m = measure(j, now)
+            plan = planner.plan(m, cur, _train_work(progs, tcost), cfg.steps - j - 1)
+            target = plan.rollout_gpus
+            decisions.append({"step": j, "current": cur, "target": target, "why": plan.detail.get("why"),
+                              "measure": None if m is None else dict(vars(m)), "pred_step_s": plan.predicted_step_s,
+                              **{x: plan.detail[x] for x in ("candidate", "gain_s", "switch_cost_s", "rollout_bound")
+                                 if x in plan.detail}})
+        else:
+            if feedback and waited and fb["prev_start"] is not None and fb["pred"]:
+                ratio = (start - fb["prev_start"]) / fb["pred"]
+                fb["scale"] = 0.5 * fb["scale"] + 0.5 * ratio
+            target = planner.plan_async(est, nprog, kk, current=cur, rollout_scale=fb["scale"]).rollout_gpus
+            fb["prev_start"] = start
+            fb["pred"] = planner.rollout_s(est, nprog, max(1, target), inflight=kk + 1)["per_batch"]
         if target < cur:
             for e in sorted(pool.active_engines, key=lambda e: (e.batch, -e.eid))[:cur - target]:
                 pool.drain(e.eid, now)
@@ -920,9 +976,12 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
             live.discard(g)
         start = t
         waited = t > st["busy_until"]                 # training idled: the rollout was the bottleneck
+        marks.append({"t": t, "busy": sum(e.busy_s for e in pool.engines), "tok": sum(e.tokens for e in pool.engines),
+                      "iters": sum(e.iters for e in pool.engines), "dec": sum(e.decode_s for e in pool.engines),
+                      "idle": max(0.0, t - st["busy_until"]) if j > 0 else 0.0})
         est.update(progs)
         if policy == "libra" and j + 1 < cfg.steps:
-            resplit(j, start, t, waited)
+            resplit(j, start, t, waited, progs)
         g_avail = sum(1 for x in trainers if x <= start)
         if g_avail == 0:                              # wait for the first trainer to arrive
             start = min(trainers)
@@ -951,6 +1010,7 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
         left[gid] -= 1
         if left[gid] == 0 and gid in live:
             complete[gid] = t
+            finished.append((t, sum(pool.programs[x].generated for x in members[gid])))
             try_train(t)
 
     def joined(eid: int, t: float) -> None:
@@ -969,7 +1029,8 @@ def run_stream(policy: str, wcfg: WorkloadConfig, cfg: SimConfig, rcost: Rollout
     out.update(mode="stream", rollout_scale=fb["scale"], dropped_groups=st["dropped"], aborted_groups=st["aborted"],
                discarded_tokens=int(st["wasted"]), released_groups=st["released"], max_staleness=st["max_stale"],
                generated_tokens=int(sum(e.tokens for e in pool.engines)), static_split=r,
-               consumed=consumed, mean_staleness=float(np.mean([x for row in rows for x in row["staleness"]])))
+               consumed=consumed, decisions=decisions, planner_mode=planner_mode if policy == "libra" else None,
+               mean_staleness=float(np.mean([x for row in rows for x in row["staleness"]])))
     logger.info("stream %s k=%d %d GPUs: %.0f tok/s, %d dropped + %d aborted groups (%d tokens discarded)",
                 policy, k, n, out["throughput"], st["dropped"], st["aborted"], st["wasted"])
     return out
