@@ -743,7 +743,9 @@ def bench_overhead(args, workdir, device):
     cfg = RolloutConfig(group_size=4, max_new_tokens=16, max_concurrency=8, seed=0)
     tasks = list(range(4))
     mk = lambda t: make_env("code_repair", int(t), seed=0, max_turns=3)     # noqa: E731
-    sup = Supervisor(start, args.overhead_model_path, "v0", num_active=1, num_shadows=0, health_interval_s=0.5).start()
+    warm = _warmup_fn(args) if (args.warmup == "on" or (args.warmup == "auto" and args.engine == "sglang")) else None
+    sup = Supervisor(start, args.overhead_model_path, "v0", num_active=1, num_shadows=0, health_interval_s=0.5,
+                     warmup=warm).start()
     kinds = ("plain", "engine", "env", "belayer")
     times = {k: [] for k in kinds}
     crit = {k: [] for k in kinds}

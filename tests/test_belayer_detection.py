@@ -25,6 +25,7 @@ child; the failed worker was SIGKILLed, not ended by its own watchdog), and its 
 uninterrupted run's.
 """
 import json
+import logging
 import os
 import select
 import signal
@@ -106,6 +107,7 @@ def serve(argv: list) -> None:
     ap.add_argument("--parent-pid", type=int, required=True)
     ap.add_argument("--diag-s", type=float, default=5.0)
     ap.add_argument("--health-s", type=float, default=0.3)
+    ap.add_argument("--slow-health-file", default="", help="while this file exists, /health replies take 5 s")
     args = ap.parse_args(argv)
 
     def say(msg):
@@ -206,7 +208,7 @@ def serve(argv: list) -> None:
             if dead.is_set() or not send({"op": "ping", "rid": rid}):
                 self._hang()
             q.get()                                # silent forever if the scheduler died meanwhile
-            time.sleep(args.health_s)
+            time.sleep(5.0 if args.slow_health_file and os.path.exists(args.slow_health_file) else args.health_s)
             with qlock:
                 queues.pop(rid, None)
             self._reply(200, {})
@@ -270,15 +272,16 @@ class StubServer(_ServerProcess):
     kind = "stub-sglang"
     watch_children = ("sglang::",)              # as SGLangServer
 
-    def __init__(self, diag_s: float = 5.0, **kw):
+    def __init__(self, diag_s: float = 5.0, slow_health_file: str = "", **kw):
         kw.setdefault("startup_timeout", 60.0)
         kw.setdefault("grace", 3.0)                 # as the benchmark's --grace-s
         super().__init__(**kw)
-        self.diag_s = diag_s
+        self.diag_s, self.slow_health_file = diag_s, slow_health_file
 
     def command(self):
         return [self.python, os.path.abspath(__file__), "--serve", "--port", str(self.port),
-                "--parent-pid", str(os.getpid()), "--diag-s", str(self.diag_s)]
+                "--parent-pid", str(os.getpid()), "--diag-s", str(self.diag_s),
+                "--slow-health-file", self.slow_health_file]
 
 
 PROMPT = [1, 40, 41, 42, 9]
@@ -367,3 +370,27 @@ def test_scheduler_kill_fails_over_at_once_and_resumes_exactly(sup):
     log_text = open(victim.server.log_path).read()
     assert "after crash diagnostics" not in log_text, log_text[-2000:]
     assert detect < 1.5 and recovery < 2.0, (detect, recovery)     # old behaviour: ~6 s (the stub's self-kill)
+
+
+def test_a_slow_health_with_live_processes_is_not_a_failure_within_the_grace(tmp_path, caplog):
+    """H200, 2026-12-03: an SGLang server busy compiling on its first request answered no /health
+    for > 4 s and the old rule (two failed 2 s calls in a row) SIGKILLed it with requests in flight.
+    Here every /health reply takes 5 s (> the monitor's 2 s timeout) while the processes live:
+    within the grace the worker is kept and generates; the old rule failed it over after ~4 s."""
+    slow = tmp_path / "slow-health"
+    server = StubServer(slow_health_file=str(slow), log_path=str(tmp_path / "slow.log"))
+    s = Supervisor(lambda p, v: server.start(), "stub-model", "v0", num_active=1, num_shadows=0,
+                   health_interval_s=0.1, health_grace_s=30.0, engine_kw={"timeout": 60.0, "retries": 0})
+    with caplog.at_level(logging.WARNING, logger="megatron_harts.rollout.belayer.engine"):
+        s.start()
+        try:
+            w = s.worker(0)
+            slow.touch()                                     # from now on /health replies take 5 s
+            time.sleep(7.0)                                  # >= 3 failed /health calls
+            assert s.events == [] and s.worker(0) is w and server.alive()
+            out = s.engine(0).generate(PROMPT, SamplingParams(max_new_tokens=5, stop_token_ids=[], seed=1))
+            assert len(out.output_ids) == 5
+        finally:
+            s.close()
+    assert any("/health failed 2 time(s)" in r.getMessage() for r in caplog.records), \
+        "the /health calls did not fail: the test would not see the old rule's failover"

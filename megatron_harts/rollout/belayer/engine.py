@@ -203,8 +203,15 @@ class Supervisor:
     its slot is handed to another worker (False: only the background ``stop()``, SIGTERM then
     SIGKILL after the server's grace period, during which its open streams may stay silent; an
     SGLang server given SIGTERM drains its requests, which a dead scheduler never finishes).
-    The price of True: a worker declared failed by mistake (``/health`` slow twice under load and
-    once more on the re-check) loses its in-flight requests, which then resume on the new worker.
+    The price of True: a worker declared failed by mistake loses its in-flight requests, which then
+    resume on the new worker. ``health_grace_s``: how long ``GET /health`` must keep failing (each
+    call a 2 s timeout) while the server's processes are alive before the worker is declared failed
+    (default 30 s). A dead process (the server, or SGLang's scheduler / detokenizer child) is
+    caught by the process check within one ``health_interval_s`` whatever this is; the grace only
+    delays catching a worker that hangs with its processes alive. It keeps a busy but healthy
+    server from being killed: on the H200 (2026-12-03) an SGLang server compiling its seeded
+    sampler on its first request answered no ``/health`` for > 4 s and, with the old rule (two
+    failed calls in a row), was SIGKILLed with 16 requests in flight.
 
     ``keeper`` (default None: off): a :class:`~.keeper.Keeper` that owns the current weights in a
     process of its own; with it every new worker (shadow or cold start) is started by
@@ -224,7 +231,8 @@ class Supervisor:
                  *, num_active: int = 1, num_shadows: int = 1, health_interval_s: float = 0.5,
                  engine_kw: dict | None = None, failover_timeout_s: float = 600.0, parallel_start: bool = True,
                  warmup: Callable[[HttpEngine], Any] | None = None, kill_failed: bool = True,
-                 keeper: Any = None, start_dummy: Callable[[str, str | None], Any] | None = None):
+                 keeper: Any = None, start_dummy: Callable[[str, str | None], Any] | None = None,
+                 health_grace_s: float = 30.0):
         if num_active < 1 or num_shadows < 0:
             raise ValueError(f"Supervisor needs num_active >= 1 and num_shadows >= 0, got {num_active}, {num_shadows}")
         if keeper is not None and start_dummy is None:
@@ -235,6 +243,7 @@ class Supervisor:
         self.model_path, self.version = str(model_path), version
         self.num_active, self.num_shadows = num_active, num_shadows
         self.health_interval_s = float(health_interval_s)
+        self.health_grace_s = float(health_grace_s)
         self.engine_kw = dict(engine_kw or {"timeout": 120.0, "retries": 0})
         self.failover_timeout_s = float(failover_timeout_s)
         self.parallel_start, self._warmup = bool(parallel_start), warmup
@@ -520,15 +529,27 @@ class Supervisor:
                 self.failover(slot, w.engine, f"monitor: {getattr(w.server, 'dead_reason', None) or 'process exited'}")
 
     def _watch_health(self) -> None:
-        """Monitor, health part: an active worker whose ``GET /health`` fails twice in a row (one
-        slow reply is not a failure) is replaced (proactively: before a client trips over it)."""
+        """Monitor, health part: an active worker whose ``GET /health`` has failed on every call for
+        at least ``health_grace_s`` (and at least twice in a row: one slow reply is not a failure)
+        is replaced, proactively, before a client trips over it. Dead processes are the process
+        part's (:meth:`_watch`); this part catches workers that hang with their processes alive."""
+        failing: dict[int, tuple[Any, float, int]] = {}      # slot -> (worker, first failure, count)
         while not self._stop.wait(self.health_interval_s):
             for slot in range(self.num_active):
                 w = self.worker(slot)
-                if w is None or w.engine.alive(timeout=2.0) or w.engine.alive(timeout=2.0):
+                if w is None or w.engine.alive(timeout=2.0):
+                    failing.pop(slot, None)
                     continue
+                prev = failing.get(slot)
+                w0, since, n = prev if prev is not None and prev[0] is w else (w, time.monotonic(), 0)
+                failing[slot] = (w0, since, n + 1)
+                if n + 1 < 2 or time.monotonic() - since < self.health_grace_s:
+                    log.warning("belayer: %s: /health failed %d time(s) over %.1f s (grace %.0f s)",
+                                w.name, n + 1, time.monotonic() - since, self.health_grace_s)
+                    continue
+                failing.pop(slot, None)
                 if not self._stop.is_set() and self.worker(slot) is w:
-                    self.failover(slot, w.engine, "monitor: /health failed")
+                    self.failover(slot, w.engine, f"monitor: /health failed for {time.monotonic() - since:.1f} s")
 
     # -- weights --------------------------------------------------------------------------------
     def _update_worker(self, w: Worker, path: str, version: str | None) -> None:
