@@ -330,6 +330,37 @@ class SuffixCorpus:
         return count
 
 
+def gather_draft_inputs(corpus: "SuffixCorpus", owner: dict, depth: int, reqs, prev_ids: list[int],
+                        prev_lens: list[int], stride: int, use_prev: bool):
+    """The per-step inputs of :meth:`SuffixCorpus.batch_get` for SGLang ``Req``s (``rid``,
+    ``origin_input_ids``, ``output_ids``): ``(rids, toks, totals)``, ``toks[i]`` the request's
+    last ``max(depth, new tokens)`` context tokens, ``totals[i]`` its context length (tokens).
+    ``prev_ids`` ``[bs * stride]`` / ``prev_lens`` ``[bs]``: the last verify step's accepted tokens,
+    spliced in when ``use_prev`` (overlap mode, as NGRAM does). ``owner``: rid -> ``id(req)``; a
+    new ``Req`` object under a known rid (or a context shorter than indexed) starts afresh. This is
+    ``HartsSuffixWorker._prepare_draft_tokens``' loop, here so it runs (and is timed) on CPU."""
+    rids, toks, totals = [], [], []
+    for i, req in enumerate(reqs):
+        prev = prev_ids[i * stride: i * stride + prev_lens[i]] if use_prev else []
+        total = len(req.origin_input_ids) + len(req.output_ids) + len(prev)
+        rid = req.rid
+        if owner.get(rid) != id(req) or corpus.known(rid) > total:   # a new request
+            corpus.erase_match_state([rid])
+            owner[rid] = id(req)
+        need = max(depth, total - corpus.known(rid))
+        toks.append(_concat_last_n(list(req.origin_input_ids), list(req.output_ids[-need:]) + prev, need))
+        rids.append(rid)
+        totals.append(total)
+    return rids, toks, totals
+
+
+def _concat_last_n(seq1: list[int], seq2: list[int], n: int) -> list[int]:
+    """``NGRAMWorker._efficient_concat_last_n``: the last ``n`` tokens of ``seq1 + seq2``."""
+    if len(seq2) >= n:
+        return seq2[-n:]
+    return seq1[-(n - len(seq2)):] + seq2
+
+
 def _spec_class():
     from sglang.srt.speculative.spec_info import CustomSpecAlgo
 
@@ -403,19 +434,8 @@ def suffix_worker_class():
             corpus = self.ngram_corpus
             corpus.synchronize()
             use_prev = self.enable_overlap and not batch.grammar_needs_sync()
-            rids, toks, totals = [], [], []
-            for i, req in enumerate(batch.reqs):
-                prev = self.prev_token_ids[i * stride: i * stride + self.prev_accept_lens[i]] if use_prev else []
-                total = len(req.origin_input_ids) + len(req.output_ids) + len(prev)
-                rid = req.rid
-                if self._owner.get(rid) != id(req) or corpus.known(rid) > total:   # a new request
-                    corpus.erase_match_state([rid])
-                    self._owner[rid] = id(req)
-                need = max(self._suffix_depth, total - corpus.known(rid))
-                toks.append(self._efficient_concat_last_n(list(req.origin_input_ids),
-                                                          list(req.output_ids[-need:]) + prev, need))
-                rids.append(rid)
-                totals.append(total)
+            rids, toks, totals = gather_draft_inputs(corpus, self._owner, self._suffix_depth, batch.reqs,
+                                                     self.prev_token_ids, self.prev_accept_lens, stride, use_prev)
             drafts, mask = corpus.batch_get(rids, toks, totals)
             if len(self._owner) > 8 * max(64, len(corpus.ctx)):             # bounded: keep the live ones
                 self._owner = {r: self._owner[r] for r in corpus.ctx if r in self._owner}
