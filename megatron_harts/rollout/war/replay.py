@@ -346,13 +346,14 @@ class SuffixStep:
     """``HartsSuffixWorker``'s drafting hook on CPU: ``corpus.synchronize()``, the worker's
     :func:`~.sglang_plugin.gather_draft_inputs` and ``corpus.batch_get`` (sync mode: no overlap
     splice). ``corpus``: a :class:`~.sglang_plugin.SuffixCorpus` (or a drop-in with the same
-    interface); completed trajectories are indexed whole at once (``add_trajectory``, untimed)."""
+    interface; ``gather``: the worker's input loop, default :func:`~.sglang_plugin.gather_draft_inputs`);
+    completed trajectories are indexed whole at once (``add_trajectory``, untimed)."""
 
-    def __init__(self, corpus, name: str = "ours"):
+    def __init__(self, corpus, name: str = "ours", gather=None):
         from .sglang_plugin import gather_draft_inputs
 
         self.name, self.corpus, self.n = name, corpus, corpus.n
-        self._gather = gather_draft_inputs
+        self._gather = gather or gather_draft_inputs
         self._owner: dict[str, int] = {}
         self._depth = corpus.drafter.cfg.max_depth
 

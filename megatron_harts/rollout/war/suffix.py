@@ -41,6 +41,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 _VERSIONS = itertools.count(1)      # trie versions, unique across tries
 
@@ -329,22 +331,162 @@ class SuffixTrie:
 
 
 class ContextIndex:
-    """The streaming suffix trie of one request's own context (prompt, then accepted tokens).
+    """One request's own context (prompt, then accepted tokens), drafted from as a depth-bounded
+    suffix trie of it would be, without building one.
 
-    ``extend(tokens)`` appends; ``tokens`` is the full context so far (the drafter matches its
-    tail)."""
+    ``extend(tokens)`` appends (``O(len(tokens))``: the tokens go into a list and a numpy buffer);
+    ``tokens`` is the full context so far. :meth:`draft` returns exactly what
+    ``SuffixTrie(max_depth)`` holding every substring of ``tokens`` would draft for ``tokens``
+    (``SuffixTrie.draft``: same match, counts, probabilities, tie-breaks and float arithmetic),
+    computing the few trie nodes a draft visits from occurrence positions instead: a node is the
+    set of end positions of its string in the context (its count is their number), its children
+    are the tokens following those positions. Indexing the context in a trie cost
+    ``O(tokens * max_depth)`` dictionary operations in the scheduler loop (~25 ms per 1K tokens at
+    depth 32 in Python, docs/war.md); a draft here costs one vectorised scan of the context plus
+    work proportional to the occurrences it visits."""
+
+    _SMALL = 32          # occurrence sets up to this size are handled in Python, larger in numpy
 
     def __init__(self, max_depth: int, prompt: Sequence[int] = ()):
-        self.trie = SuffixTrie(max_depth)
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = int(max_depth)
         self.tokens: list[int] = []
-        self._front: list[int] = []
-        self.match_state: dict[int, list] = {}        # id(trie) -> its match_from state
+        self._arr = np.zeros(max(64, len(prompt) * 2), dtype=np.int64)   # tokens [capacity]; first n valid
+        self._rev = np.arange(self.max_depth, dtype=np.int64)              # 0 .. max_depth-1
+        self.match_state: dict[int, list] = {}        # id(trie) -> its match_from state (other sources)
         self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]) -> None:
         toks = [int(t) for t in tokens]
-        self._front = self.trie.extend(toks, self._front)
+        n, k = len(self.tokens), len(toks)
+        if n + k > len(self._arr):
+            arr = np.zeros(max(2 * len(self._arr), n + k), dtype=np.int64)
+            arr[:n] = self._arr[:n]
+            self._arr = arr
+        if k:
+            self._arr[n:n + k] = toks
         self.tokens += toks
+
+    # -- the context trie's nodes, computed from occurrence positions ----------------------------
+    def _match(self, hi: int):
+        """Longest ``m <= hi`` such that ``tokens[-m:]`` occurs ending at some ``e < n - 1`` (a
+        trie path with a child); returns ``(m, ends)``, ``ends``: those ``e`` (int64 ``[k]``,
+        ascending) -- the node's occurrences but the one at the context's end; ``(0, None)``."""
+        n, a = len(self.tokens), self._arr
+        if hi <= 0 or n < 2:
+            return 0, None
+        e = np.flatnonzero(a[:n - 1] == a[n - 1])
+        if not len(e):
+            return 0, None
+        if hi == 1:
+            return 1, e
+        r = self._rev[:hi]
+        idx = e[:, None] - r                            # [k, hi]: e, e-1, ..., e-hi+1
+        ok = idx >= 0
+        eq = (a[np.where(ok, idx, 0)] == a[n - 1 - r]) & ok
+        lens = np.cumprod(eq, axis=1).sum(axis=1)       # matched suffix length at each e
+        m = int(lens.max())
+        return m, e[lens == m]
+
+    def _children(self, ends, n: int):
+        """Children of the node whose occurrences end at ``ends`` (ascending; numpy or list):
+        ``{token: child ends}``, in ascending token order. Occurrences at ``n - 1`` (the
+        context's end) have no continuation."""
+        if len(ends) > self._SMALL:
+            nxt = np.asarray(ends)
+            if len(nxt) and nxt[-1] >= n - 1:
+                nxt = nxt[:-1]
+            if not len(nxt):
+                return {}
+            nxt = nxt + 1
+            toks = self._arr[nxt]
+            order = np.argsort(toks, kind="stable")
+            ts, ps = toks[order], nxt[order]
+            cut = np.flatnonzero(np.diff(ts)) + 1
+            starts = [0, *cut.tolist()]
+            stops = [*cut.tolist(), len(ts)]
+            tl = ts.tolist()
+            return {tl[i]: (ps[i:j] if j - i > self._SMALL else ps[i:j].tolist()) for i, j in zip(starts, stops)}
+        out: dict[int, list[int]] = {}
+        tk = self.tokens
+        for x in ends:
+            if x < n - 1:
+                t = tk[x + 1]
+                lst = out.get(t)
+                if lst is None:
+                    out[t] = [x + 1]
+                else:
+                    lst.append(x + 1)
+        return dict(sorted(out.items()))
+
+    def draft(self, cfg: "DrafterConfig", budget: int | None = None, source: str = "context") -> "Draft":
+        """``SuffixTrie(max_depth).draft(tokens, cfg, budget, source)`` of a trie holding this
+        context, bitwise (tokens, probabilities, parents, match length, score)."""
+        budget = cfg.budget if budget is None else budget
+        D, n = self.max_depth, len(self.tokens)
+        max_len = max(1, D - budget)
+        m, ends = self._match(min(n, max_len, D - 1))
+        if m < cfg.min_match:
+            return Draft()
+        cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
+        if cap <= 0:
+            return Draft()
+        count0 = len(ends) + 1                           # + the occurrence at the context's end
+        if cfg.tree:
+            toks, probs, parents = self._expand_tree(ends, count0, m, budget, cap, cfg.min_token_prob)
+            return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents)
+        toks, probs = self._expand(ends, count0, m, cap, cfg.min_token_prob)
+        return Draft(toks, probs, m, float(sum(probs)), source if toks else "")
+
+    def _expand(self, ends, count: int, depth: int, max_tokens: int, min_prob: float):
+        """``SuffixTrie.expand`` from the node (``ends``, ``count``) at ``depth``."""
+        toks: list[int] = []
+        probs: list[float] = []
+        p, n, D = 1.0, len(self.tokens), self.max_depth
+        while len(toks) < max_tokens and depth < D:
+            ch = self._children(ends, n)
+            if not ch:
+                break
+            best_t, best_c = None, -1
+            for t, e in ch.items():                    # ascending tokens: first max = smallest token
+                if len(e) > best_c:
+                    best_t, best_c = t, len(e)
+            q = p * best_c / count
+            if q < min_prob:
+                break
+            p = q
+            ends, count, depth = ch[best_t], best_c, depth + 1
+            toks.append(best_t)
+            probs.append(p)
+        return toks, probs
+
+    def _expand_tree(self, ends, count: int, depth: int, max_nodes: int, max_len: int, min_prob: float):
+        """``SuffixTrie.expand_tree`` from the node (``ends``, ``count``) at ``depth`` (same heap
+        keys: probability, token, push order)."""
+        heap: list = []
+        seq = itertools.count()
+        n, D = len(self.tokens), self.max_depth
+
+        def push(e, c: int, d: int, parent: int, p: float, plen: int) -> None:
+            if plen >= max_len or d >= D:
+                return
+            for t, ce in self._children(e, n).items():
+                q = p * len(ce) / c
+                if q >= min_prob:
+                    heapq.heappush(heap, (-q, t, next(seq), ce, d + 1, parent, plen + 1))
+
+        toks: list[int] = []
+        probs: list[float] = []
+        parents: list[int] = []
+        push(ends, count, depth, -1, 1.0, 0)
+        while heap and len(toks) < max_nodes:
+            nq, t, _, ce, d, parent, plen = heapq.heappop(heap)
+            parents.append(parent)
+            toks.append(t)
+            probs.append(-nq)
+            push(ce, len(ce), d, len(toks) - 1, -nq, plen)
+        return toks, probs, parents
 
 
 class SuffixDrafter:
@@ -439,15 +581,17 @@ class SuffixDrafter:
         """Best draft for the continuation of the context (``ctx``: a :class:`ContextIndex`, or a
         plain token list, then only the trajectory index is used)."""
         if isinstance(ctx, ContextIndex):
-            tokens, sources = ctx.tokens, [(ctx.trie, "context")]
+            tokens, states = ctx.tokens, ctx.match_state
+            best = ctx.draft(self.cfg, budget)
+            if not best.score > 0.0:                  # the trie loop below starts from Draft()
+                best = Draft()
         else:
-            tokens, sources = list(ctx), []
+            tokens, states, best = list(ctx), {}, Draft()
+        sources = []
         if group is not None and group in self.groups:
             sources.append((self.groups[group], "group"))
         if self.cfg.use_global or group is None:
             sources.append((self.glob, "global"))
-        best = Draft()
-        states = ctx.match_state if isinstance(ctx, ContextIndex) else {}
         for trie, name in sources:
             st = states.setdefault(id(trie), [-1, 0, 0, 0, 0])
             d = trie.draft(tokens, self.cfg, budget, name, st)
