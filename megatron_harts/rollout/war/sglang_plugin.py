@@ -162,6 +162,17 @@ class TrajectoryFeed:
         return n
 
 
+def _bits_to_mask(rows: list[int], n: int) -> np.ndarray:
+    """Rows given as bit sets (bit ``j`` of ``rows[r]``: column ``j``) -> bool ``[len(rows) * n]``
+    (row-major)."""
+    if n <= 63:
+        bits = np.array(rows, dtype=np.int64)
+        return ((bits[:, None] >> np.arange(n, dtype=np.int64)) & 1).astype(bool).reshape(-1)
+    nbytes = (n + 7) // 8
+    raw = np.frombuffer(b"".join(r.to_bytes(nbytes, "little") for r in rows), dtype=np.uint8)
+    return np.unpackbits(raw.reshape(len(rows), nbytes), axis=1, bitorder="little")[:, :n].astype(bool).reshape(-1)
+
+
 class SuffixCorpus:
     """Drop-in for SGLang's ``NgramCorpus`` inside ``NGRAMWorker``, drafting with
     :class:`SuffixDrafter`.
@@ -250,8 +261,9 @@ class SuffixCorpus:
 
     def batch_get(self, req_ids: list[str], batch_tokens: list[list[int]], total_lens: list[int]):
         n = self.n
-        ids = np.zeros((len(req_ids), n), dtype=np.int64)
-        mask = np.zeros((len(req_ids), n, n), dtype=bool)
+        bs = len(req_ids)
+        ids = [0] * (bs * n)                 # [bs, n] flat
+        rows: list[int] = []                 # [bs * n]: mask row i of a request as bits (bit j: node j)
         for b, (rid, toks, total) in enumerate(zip(req_ids, batch_tokens, total_lens)):
             c = self.ctx.get(rid)
             if c is None:
@@ -275,18 +287,22 @@ class SuffixCorpus:
                     c.extend(toks[len(toks) - new:])
             d = self.drafter.draft(c, group_of(rid), budget=n - 1)
             k = len(d.tokens)
-            ids[b, 0] = c.tokens[-1] if c.tokens else 0
-            ids[b, 1:k + 1] = d.tokens
-            mask[b, 0, 0] = True
-            parents = d.parents if d.parents is not None else range(-1, k - 1)    # a chain: i-1
-            for i, par in enumerate(parents):    # node i+1: its parent's ancestors and itself
-                mask[b, i + 1] = mask[b, par + 1]
-                mask[b, i + 1, i + 1] = True
-            for i in range(k + 1, n):            # unused nodes: leaves under the root
-                mask[b, i, 0] = mask[b, i, i] = True
+            o = b * n
+            ids[o] = c.tokens[-1] if c.tokens else 0
+            ids[o + 1:o + k + 1] = d.tokens
+            r = [1]                                          # node 0: itself
+            if d.parents is None:                            # a chain: node i+1's parent is node i
+                for i in range(1, k + 1):
+                    r.append(r[-1] | (1 << i))
+            else:                                            # node i+1: its parent's row and itself
+                for i, par in enumerate(d.parents):
+                    r.append(r[par + 1] | (1 << (i + 1)))
+            for i in range(k + 1, n):                        # unused nodes: leaves under the root
+                r.append(1 | (1 << i))
+            rows += r
             self.stats["calls"] += 1
             self.stats["drafted"] += k
-        return ids.reshape(-1), mask.reshape(-1)
+        return np.array(ids, dtype=np.int64), _bits_to_mask(rows, n)
 
     # external corpus API of NGRAMWorker (its HTTP endpoint is NGRAM-only; these index the same way)
     def load_external_corpus_named(self, corpus_id: str, chunks) -> int:
@@ -348,7 +364,10 @@ def gather_draft_inputs(corpus: "SuffixCorpus", owner: dict, depth: int, reqs, p
             corpus.erase_match_state([rid])
             owner[rid] = id(req)
         need = max(depth, total - corpus.known(rid))
-        toks.append(_concat_last_n(list(req.origin_input_ids), list(req.output_ids[-need:]) + prev, need))
+        tail = list(req.output_ids[-need:]) + prev
+        if len(tail) < need:                  # NGRAM's _efficient_concat_last_n, without copying the prompt
+            tail = list(req.origin_input_ids[-(need - len(tail)):]) + tail
+        toks.append(tail)
         rids.append(rid)
         totals.append(total)
     return rids, toks, totals
