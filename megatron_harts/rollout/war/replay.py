@@ -136,6 +136,15 @@ def sampled_streams(engine, family: str = "code_repair", n_tasks: int = 6, sampl
     return out
 
 
+def load_streams(path: str) -> list[Stream]:
+    """Streams saved by ``scripts/bench_war.py --save-streams`` (JSONL, ``.gz`` allowed)."""
+    import gzip
+    import json
+
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+        return [Stream(d["tokens"], d["loss_mask"], d["group"], int(d["step"]), d["traj_id"]) for d in map(json.loads, f)]
+
+
 # ----------------------------------------------------------------------------------- methods
 class Method(Protocol):
     name: str
@@ -347,12 +356,15 @@ class SuffixStep:
     :func:`~.sglang_plugin.gather_draft_inputs` and ``corpus.batch_get`` (sync mode: no overlap
     splice). ``corpus``: a :class:`~.sglang_plugin.SuffixCorpus` (or a drop-in with the same
     interface; ``gather``: the worker's input loop, default :func:`~.sglang_plugin.gather_draft_inputs`);
-    completed trajectories are indexed whole at once (``add_trajectory``, untimed)."""
+    completed trajectories are indexed whole at once (``add_trajectory``, untimed), or with
+    ``queued`` as the server's feed does: queued, then indexed by ``synchronize`` at most
+    ``corpus.index_s`` (plus one slice) per step, timed as part of the step (drafts then depend on
+    timing)."""
 
-    def __init__(self, corpus, name: str = "ours", gather=None):
+    def __init__(self, corpus, name: str = "ours", gather=None, queued: bool = False):
         from .sglang_plugin import gather_draft_inputs
 
-        self.name, self.corpus, self.n = name, corpus, corpus.n
+        self.name, self.corpus, self.n, self.queued = name, corpus, corpus.n, queued
         self._gather = gather or gather_draft_inputs
         self._owner: dict[str, int] = {}
         self._depth = corpus.drafter.cfg.max_depth
@@ -372,7 +384,10 @@ class SuffixStep:
         self.corpus.erase_match_state(rids)
 
     def finish(self, stream: Stream) -> None:
-        self.corpus.drafter.add_trajectory(stream.tokens, stream.group)
+        if self.queued:
+            self.corpus.drafter.queue_trajectory(stream.tokens, stream.group)
+        else:
+            self.corpus.drafter.add_trajectory(stream.tokens, stream.group)
 
 
 class NgramStep:

@@ -365,7 +365,9 @@ def gather_draft_inputs(corpus: "SuffixCorpus", owner: dict, depth: int, reqs, p
             owner[rid] = id(req)
         need = max(depth, total - corpus.known(rid))
         tail = list(req.output_ids[-need:]) + prev
-        if len(tail) < need:                  # NGRAM's _efficient_concat_last_n, without copying the prompt
+        if len(tail) > need:                  # NGRAM's _efficient_concat_last_n, without copying the prompt
+            tail = tail[-need:]
+        elif len(tail) < need:
             tail = list(req.origin_input_ids[-(need - len(tail)):]) + tail
         toks.append(tail)
         rids.append(rid)
