@@ -13,8 +13,9 @@ nodes, the root being the last verified token; greedy and sampled tree verificat
 ``eagle_sample``); the worker is ``NGRAMWorker`` with its ``ngram_corpus`` replaced by
 :class:`SuffixCorpus` (a :class:`~.suffix.SuffixDrafter`; the draft is a chain, the unused
 nodes are siblings under the root) and ``_prepare_draft_tokens`` passing each request's new
-tokens so its own context is indexed whole (SGLang's n-gram corpus only sees the last
-``max_trie_depth`` tokens).
+tokens so its whole context is drafted from (SGLang's n-gram corpus only sees the last
+``max_trie_depth`` tokens). Per-step cost of the hook: ``scripts/bench_war_steps.py``
+(docs/war.md).
 
 Feed: completed trajectories reach the running server through a JSONL file
 (:class:`TrajectoryFeed` appends ``{"group": ..., "tokens": [...]}`` lines; the corpus reads new

@@ -9,8 +9,10 @@ Adding a sequence of ``n`` tokens costs ``O(n * max_depth)`` dictionary operatio
 without it.
 
 :class:`SuffixDrafter` keeps one trie per group (a task's earlier samples: this step's finished
-ones and earlier steps'), one global trie over all groups, and for each request a streaming trie
-of its own context (:class:`ContextIndex`: the prompt, then every accepted token). A draft:
+ones and earlier steps'), one global trie over all groups, and for each request its own context
+(:class:`ContextIndex`: the prompt, then every accepted token; drafted from exactly as a trie of it
+would be, but computed from occurrence positions, so appending costs ``O(1)`` per token instead of
+``O(max_depth)`` dictionary operations). A draft:
 
 1. *match*: the longest suffix of the context (at most ``max_depth - budget`` tokens, so that
    the draft fits below the depth bound) that is a path of the trie with a continuation, found
@@ -372,9 +374,9 @@ class ContextIndex:
     computing the few trie nodes a draft visits from occurrence positions instead: a node is the
     set of end positions of its string in the context (its count is their number), its children
     are the tokens following those positions. Indexing the context in a trie cost
-    ``O(tokens * max_depth)`` dictionary operations in the scheduler loop (~25 ms per 1K tokens at
-    depth 32 in Python, docs/war.md); a draft here costs one vectorised scan of the context plus
-    work proportional to the occurrences it visits."""
+    ``O(tokens * max_depth)`` dictionary operations in the scheduler loop (tens of ms per 1K
+    tokens at depth 32 in Python, docs/war.md); a draft here costs one vectorised scan of the
+    context (int64 ``[n]``) plus work proportional to the occurrences it visits."""
 
     _SMALL = 32          # occurrence sets up to this size are handled in Python, larger in numpy
 
