@@ -136,6 +136,15 @@ def sampled_streams(engine, family: str = "code_repair", n_tasks: int = 6, sampl
     return out
 
 
+def load_streams(path: str) -> list[Stream]:
+    """Streams saved by ``scripts/bench_war.py --save-streams`` (JSONL, ``.gz`` allowed)."""
+    import gzip
+    import json
+
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+        return [Stream(d["tokens"], d["loss_mask"], d["group"], int(d["step"]), d["traj_id"]) for d in map(json.loads, f)]
+
+
 # ----------------------------------------------------------------------------------- methods
 class Method(Protocol):
     name: str
@@ -328,4 +337,205 @@ def replay(method: Method, streams: Sequence[Stream]) -> ReplayResult:
     res.draft_us_median = float(np.median(lat)) if lat else 0.0
     res.update_s = upd
     res.accept_len_by_step = {k: v[1] / v[0] for k, v in sorted(by_step.items())}
+    return res
+
+
+# ------------------------------------------------------------------- batched scheduler steps
+@dataclass
+class Req:
+    """The fields of an SGLang ``Req`` that the drafting hooks read: ``rid``, ``origin_input_ids``
+    (the prompt, a list of token ids) and ``output_ids`` (tokens emitted so far)."""
+
+    rid: str
+    origin_input_ids: list[int]
+    output_ids: list[int]
+
+
+class SuffixStep:
+    """``HartsSuffixWorker``'s drafting hook on CPU: ``corpus.synchronize()``, the worker's
+    :func:`~.sglang_plugin.gather_draft_inputs` and ``corpus.batch_get`` (sync mode: no overlap
+    splice). ``corpus``: a :class:`~.sglang_plugin.SuffixCorpus` (or a drop-in with the same
+    interface; ``gather``: the worker's input loop, default :func:`~.sglang_plugin.gather_draft_inputs`);
+    completed trajectories are indexed whole at once (``add_trajectory``, untimed), or with
+    ``queued`` as the server's feed does: queued, then indexed by ``synchronize`` at most
+    ``corpus.index_s`` (plus one slice) per step, timed as part of the step (drafts then depend on
+    timing)."""
+
+    def __init__(self, corpus, name: str = "ours", gather=None, queued: bool = False):
+        from .sglang_plugin import gather_draft_inputs
+
+        self.name, self.corpus, self.n, self.queued = name, corpus, corpus.n, queued
+        self._gather = gather or gather_draft_inputs
+        self._owner: dict[str, int] = {}
+        self._depth = corpus.drafter.cfg.max_depth
+
+    def draft(self, reqs: list[Req]) -> tuple[np.ndarray, np.ndarray]:
+        c = self.corpus
+        c.synchronize()
+        bs = len(reqs)
+        rids, toks, totals = self._gather(c, self._owner, self._depth, reqs, [0] * (bs * self.n), [0] * bs,
+                                          self.n, False)
+        return c.batch_get(rids, toks, totals)
+
+    def after_verify(self, reqs: list[Req]) -> None:
+        pass
+
+    def depart(self, rids: list[str]) -> None:
+        self.corpus.erase_match_state(rids)
+
+    def finish(self, stream: Stream) -> None:
+        if self.queued:
+            self.corpus.drafter.queue_trajectory(stream.tokens, stream.group)
+        else:
+            self.corpus.drafter.add_trajectory(stream.tokens, stream.group)
+
+
+class NgramStep:
+    """``NGRAMWorker`` (SGLang 0.5.17) around its C++ ``NgramCorpus`` (defaults: trie depth 18,
+    BFS breadth 10): per step ``synchronize`` + ``batch_get`` of each request's last 18 tokens,
+    after verification ``batch_put`` of the same window (both timed as the step's drafting cost)."""
+
+    def __init__(self, n: int, max_trie_depth: int = 18):
+        from .sglang_plugin import _concat_last_n, ngram_corpus_cls
+
+        self.name, self.n, self.depth = "sglang_ngram", n, max_trie_depth
+        self.corpus = ngram_corpus_cls()(max_trie_depth=max_trie_depth, draft_token_num=n, max_bfs_breadth=10)
+        self._cat = _concat_last_n
+
+    def _windows(self, reqs):
+        d = self.depth
+        return [self._cat(list(r.origin_input_ids), list(r.output_ids[-d:]), d) for r in reqs]
+
+    def draft(self, reqs):
+        self.corpus.synchronize()
+        ids, mask = self.corpus.batch_get([r.rid for r in reqs], self._windows(reqs),
+                                          [len(r.origin_input_ids) + len(r.output_ids) for r in reqs])
+        return np.asarray(ids), np.asarray(mask)
+
+    def after_verify(self, reqs):
+        self.corpus.batch_put(self._windows(reqs))
+
+    def depart(self, rids):
+        self.corpus.erase_match_state(rids)
+
+    def finish(self, stream):
+        pass
+
+
+def tree_accept(ids: Sequence[int], mask: np.ndarray, target: Sequence[int]) -> int:
+    """Tokens accepted by greedy tree verification: the longest root path of the draft tree
+    (``ids`` ``[n]``, node 0 the root; ``mask`` ``[n, n]`` bool, ``mask[i, j]``: node ``j`` is
+    ``i`` or its ancestor) whose tokens equal ``target``'s prefix (unused nodes included, as
+    SGLang verifies them)."""
+    n = len(ids)
+    depth = mask.sum(axis=1)                     # 1 + number of ancestors
+    parent = [-1] + [int(np.flatnonzero(mask[i, :i])[-1]) for i in range(1, n)]
+    best, ok = 0, [True] + [False] * (n - 1)
+    for i in range(1, n):
+        d = int(depth[i]) - 1                    # tokens on the path to i
+        if ok[parent[i]] and d <= len(target) and ids[i] == target[d - 1]:
+            ok[i] = True
+            best = max(best, d)
+    return best
+
+
+@dataclass
+class StepReplayResult:
+    """``steps`` (scheduler iterations), ``verifies`` (request-steps), ``emitted`` model tokens,
+    ``accept_len`` (emitted / verifies); drafting cost per scheduler step ``step_us_*`` and per
+    request ``req_us_*`` (step cost / batch size), microseconds; ``mean_bs`` (requests per step);
+    ``drafts``: per step the ``(ids, mask)`` returned (when ``keep``)."""
+
+    method: str
+    steps: int = 0
+    verifies: int = 0
+    emitted: int = 0
+    accept_len: float = 0.0
+    mean_bs: float = 0.0
+    step_us_p50: float = 0.0
+    step_us_p99: float = 0.0
+    step_us_mean: float = 0.0
+    req_us_p50: float = 0.0
+    req_us_p99: float = 0.0
+    step_us: list = field(default_factory=list)
+    drafts: list = field(default_factory=list)
+
+
+def replay_steps(method, streams: Sequence[Stream], batch: int = 8, keep: bool = False,
+                 max_steps: int | None = None) -> StepReplayResult:
+    """Replay ``streams`` as SGLang's scheduler drives a speculative worker: up to ``batch``
+    trajectories at once (RL steps in order: the next step's trajectories start once the last
+    step's are all done), one request per model turn (rid ``group/traj#turn-k``, prompt = the
+    stream up to the turn), every scheduler step one ``method.draft(reqs)`` for all running
+    requests (timed), greedy tree verification against the logged tokens, each request advancing
+    by accepted + 1 tokens (never past its turn's end), ``method.after_verify`` (timed, part of the
+    step), finished turns ``depart`` (untimed) and finished trajectories ``finish`` (indexed,
+    untimed). A finished turn's trajectory starts its next turn at the next step."""
+    res = StepReplayResult(method.name)
+    order = sorted(streams, key=lambda s: s.step)
+    nxt = 0
+    slots: list[list] = []                        # [stream, turns, turn index, req, turn end]
+    bss: list[int] = []
+    while True:
+        # fill free slots (respecting the RL-step barrier)
+        while len(slots) < batch and nxt < len(order) and \
+                (not slots or all(s[0].step == order[nxt].step for s in slots)):
+            st = order[nxt]
+            nxt += 1
+            turns = st.turns()
+            if turns:
+                slots.append([st, turns, -1, None, 0])
+            else:
+                method.finish(st)
+        if not slots:
+            break
+        for s in slots:                            # start pending turns
+            if s[3] is None:
+                s[2] += 1
+                a, b = s[1][s[2]]
+                s[3], s[4] = Req(f"{s[0].group}/{s[0].traj_id}#turn-{s[2]}", list(s[0].tokens[:a]), []), b
+        reqs = [s[3] for s in slots]
+        t0 = time.perf_counter_ns()
+        ids, mask = method.draft(reqs)
+        dt = time.perf_counter_ns() - t0
+        n = len(ids) // len(reqs)
+        ids2, mask2 = np.asarray(ids).reshape(len(reqs), n), np.asarray(mask, dtype=bool).reshape(len(reqs), n, n)
+        if keep:
+            res.drafts.append((np.array(ids2), np.array(mask2)))
+        for s, r, di, dm in zip(slots, reqs, ids2, mask2):
+            toks, b = s[0].tokens, s[4]
+            p = len(r.origin_input_ids) + len(r.output_ids)
+            k = tree_accept(di.tolist(), dm, toks[p:b])
+            e = min(k + 1, b - p)
+            r.output_ids.extend(toks[p:p + e])
+            res.emitted += e
+        t0 = time.perf_counter_ns()
+        method.after_verify(reqs)
+        dt += time.perf_counter_ns() - t0
+        res.step_us.append(dt / 1e3)
+        res.steps += 1
+        res.verifies += len(reqs)
+        bss.append(len(reqs))
+        gone, keep_slots = [], []
+        for s in slots:
+            r = s[3]
+            if len(r.origin_input_ids) + len(r.output_ids) >= s[4]:
+                gone.append(r.rid)
+                s[3] = None
+                if s[2] + 1 == len(s[1]):
+                    method.finish(s[0])
+                    continue
+            keep_slots.append(s)
+        if gone:
+            method.depart(gone)
+        slots = keep_slots
+        if max_steps is not None and res.steps >= max_steps:
+            break
+    res.accept_len = res.emitted / max(res.verifies, 1)
+    if res.step_us:
+        st, per = np.asarray(res.step_us), np.asarray(res.step_us) / np.asarray(bss)
+        res.mean_bs = float(np.mean(bss))
+        res.step_us_p50, res.step_us_p99 = float(np.percentile(st, 50)), float(np.percentile(st, 99))
+        res.step_us_mean = float(st.mean())
+        res.req_us_p50, res.req_us_p99 = float(np.percentile(per, 50)), float(np.percentile(per, 99))
     return res

@@ -13,8 +13,9 @@ nodes, the root being the last verified token; greedy and sampled tree verificat
 ``eagle_sample``); the worker is ``NGRAMWorker`` with its ``ngram_corpus`` replaced by
 :class:`SuffixCorpus` (a :class:`~.suffix.SuffixDrafter`; the draft is a chain, the unused
 nodes are siblings under the root) and ``_prepare_draft_tokens`` passing each request's new
-tokens so its own context is indexed whole (SGLang's n-gram corpus only sees the last
-``max_trie_depth`` tokens).
+tokens so its whole context is drafted from (SGLang's n-gram corpus only sees the last
+``max_trie_depth`` tokens). Per-step cost of the hook: ``scripts/bench_war_steps.py``
+(docs/war.md).
 
 Feed: completed trajectories reach the running server through a JSONL file
 (:class:`TrajectoryFeed` appends ``{"group": ..., "tokens": [...]}`` lines; the corpus reads new
@@ -162,6 +163,17 @@ class TrajectoryFeed:
         return n
 
 
+def _bits_to_mask(rows: list[int], n: int) -> np.ndarray:
+    """Rows given as bit sets (bit ``j`` of ``rows[r]``: column ``j``) -> bool ``[len(rows) * n]``
+    (row-major)."""
+    if n <= 63:
+        bits = np.array(rows, dtype=np.int64)
+        return ((bits[:, None] >> np.arange(n, dtype=np.int64)) & 1).astype(bool).reshape(-1)
+    nbytes = (n + 7) // 8
+    raw = np.frombuffer(b"".join(r.to_bytes(nbytes, "little") for r in rows), dtype=np.uint8)
+    return np.unpackbits(raw.reshape(len(rows), nbytes), axis=1, bitorder="little")[:, :n].astype(bool).reshape(-1)
+
+
 class SuffixCorpus:
     """Drop-in for SGLang's ``NgramCorpus`` inside ``NGRAMWorker``, drafting with
     :class:`SuffixDrafter`.
@@ -250,8 +262,9 @@ class SuffixCorpus:
 
     def batch_get(self, req_ids: list[str], batch_tokens: list[list[int]], total_lens: list[int]):
         n = self.n
-        ids = np.zeros((len(req_ids), n), dtype=np.int64)
-        mask = np.zeros((len(req_ids), n, n), dtype=bool)
+        bs = len(req_ids)
+        ids = [0] * (bs * n)                 # [bs, n] flat
+        rows: list[int] = []                 # [bs * n]: mask row i of a request as bits (bit j: node j)
         for b, (rid, toks, total) in enumerate(zip(req_ids, batch_tokens, total_lens)):
             c = self.ctx.get(rid)
             if c is None:
@@ -275,18 +288,22 @@ class SuffixCorpus:
                     c.extend(toks[len(toks) - new:])
             d = self.drafter.draft(c, group_of(rid), budget=n - 1)
             k = len(d.tokens)
-            ids[b, 0] = c.tokens[-1] if c.tokens else 0
-            ids[b, 1:k + 1] = d.tokens
-            mask[b, 0, 0] = True
-            parents = d.parents if d.parents is not None else range(-1, k - 1)    # a chain: i-1
-            for i, par in enumerate(parents):    # node i+1: its parent's ancestors and itself
-                mask[b, i + 1] = mask[b, par + 1]
-                mask[b, i + 1, i + 1] = True
-            for i in range(k + 1, n):            # unused nodes: leaves under the root
-                mask[b, i, 0] = mask[b, i, i] = True
+            o = b * n
+            ids[o] = c.tokens[-1] if c.tokens else 0
+            ids[o + 1:o + k + 1] = d.tokens
+            r = [1]                                          # node 0: itself
+            if d.parents is None:                            # a chain: node i+1's parent is node i
+                for i in range(1, k + 1):
+                    r.append(r[-1] | (1 << i))
+            else:                                            # node i+1: its parent's row and itself
+                for i, par in enumerate(d.parents):
+                    r.append(r[par + 1] | (1 << (i + 1)))
+            for i in range(k + 1, n):                        # unused nodes: leaves under the root
+                r.append(1 | (1 << i))
+            rows += r
             self.stats["calls"] += 1
             self.stats["drafted"] += k
-        return ids.reshape(-1), mask.reshape(-1)
+        return np.array(ids, dtype=np.int64), _bits_to_mask(rows, n)
 
     # external corpus API of NGRAMWorker (its HTTP endpoint is NGRAM-only; these index the same way)
     def load_external_corpus_named(self, corpus_id: str, chunks) -> int:
@@ -328,6 +345,42 @@ class SuffixCorpus:
         if force:
             self.stats["indexed"] += self.drafter.index_pending()
         return count
+
+
+def gather_draft_inputs(corpus: "SuffixCorpus", owner: dict, depth: int, reqs, prev_ids: list[int],
+                        prev_lens: list[int], stride: int, use_prev: bool):
+    """The per-step inputs of :meth:`SuffixCorpus.batch_get` for SGLang ``Req``s (``rid``,
+    ``origin_input_ids``, ``output_ids``): ``(rids, toks, totals)``, ``toks[i]`` the request's
+    last ``max(depth, new tokens)`` context tokens, ``totals[i]`` its context length (tokens).
+    ``prev_ids`` ``[bs * stride]`` / ``prev_lens`` ``[bs]``: the last verify step's accepted tokens,
+    spliced in when ``use_prev`` (overlap mode, as NGRAM does). ``owner``: rid -> ``id(req)``; a
+    new ``Req`` object under a known rid (or a context shorter than indexed) starts afresh. This is
+    ``HartsSuffixWorker._prepare_draft_tokens``' loop, here so it runs (and is timed) on CPU."""
+    rids, toks, totals = [], [], []
+    for i, req in enumerate(reqs):
+        prev = prev_ids[i * stride: i * stride + prev_lens[i]] if use_prev else []
+        total = len(req.origin_input_ids) + len(req.output_ids) + len(prev)
+        rid = req.rid
+        if owner.get(rid) != id(req) or corpus.known(rid) > total:   # a new request
+            corpus.erase_match_state([rid])
+            owner[rid] = id(req)
+        need = max(depth, total - corpus.known(rid))
+        tail = list(req.output_ids[-need:]) + prev
+        if len(tail) > need:                  # NGRAM's _efficient_concat_last_n, without copying the prompt
+            tail = tail[-need:]
+        elif len(tail) < need:
+            tail = list(req.origin_input_ids[-(need - len(tail)):]) + tail
+        toks.append(tail)
+        rids.append(rid)
+        totals.append(total)
+    return rids, toks, totals
+
+
+def _concat_last_n(seq1: list[int], seq2: list[int], n: int) -> list[int]:
+    """``NGRAMWorker._efficient_concat_last_n``: the last ``n`` tokens of ``seq1 + seq2``."""
+    if len(seq2) >= n:
+        return seq2[-n:]
+    return seq1[-(n - len(seq2)):] + seq2
 
 
 def _spec_class():
@@ -403,19 +456,8 @@ def suffix_worker_class():
             corpus = self.ngram_corpus
             corpus.synchronize()
             use_prev = self.enable_overlap and not batch.grammar_needs_sync()
-            rids, toks, totals = [], [], []
-            for i, req in enumerate(batch.reqs):
-                prev = self.prev_token_ids[i * stride: i * stride + self.prev_accept_lens[i]] if use_prev else []
-                total = len(req.origin_input_ids) + len(req.output_ids) + len(prev)
-                rid = req.rid
-                if self._owner.get(rid) != id(req) or corpus.known(rid) > total:   # a new request
-                    corpus.erase_match_state([rid])
-                    self._owner[rid] = id(req)
-                need = max(self._suffix_depth, total - corpus.known(rid))
-                toks.append(self._efficient_concat_last_n(list(req.origin_input_ids),
-                                                          list(req.output_ids[-need:]) + prev, need))
-                rids.append(rid)
-                totals.append(total)
+            rids, toks, totals = gather_draft_inputs(corpus, self._owner, self._suffix_depth, batch.reqs,
+                                                     self.prev_token_ids, self.prev_accept_lens, stride, use_prev)
             drafts, mask = corpus.batch_get(rids, toks, totals)
             if len(self._owner) > 8 * max(64, len(corpus.ctx)):             # bounded: keep the live ones
                 self._owner = {r: self._owner[r] for r in corpus.ctx if r in self._owner}

@@ -9,8 +9,10 @@ Adding a sequence of ``n`` tokens costs ``O(n * max_depth)`` dictionary operatio
 without it.
 
 :class:`SuffixDrafter` keeps one trie per group (a task's earlier samples: this step's finished
-ones and earlier steps'), one global trie over all groups, and for each request a streaming trie
-of its own context (:class:`ContextIndex`: the prompt, then every accepted token). A draft:
+ones and earlier steps'), one global trie over all groups, and for each request its own context
+(:class:`ContextIndex`: the prompt, then every accepted token; drafted from exactly as a trie of it
+would be, but computed from occurrence positions, so appending costs ``O(1)`` per token instead of
+``O(max_depth)`` dictionary operations). A draft:
 
 1. *match*: the longest suffix of the context (at most ``max_depth - budget`` tokens, so that
    the draft fits below the depth bound) that is a path of the trie with a continuation, found
@@ -40,6 +42,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 _VERSIONS = itertools.count(1)      # trie versions, unique across tries
@@ -126,6 +130,8 @@ class SuffixTrie:
         self.count: list[int] = [0]
         self._free: list[int] = []
         self.version = next(_VERSIONS)   # renewed by every change (invalidates cached match states)
+        self._memo: dict[tuple, tuple] = {}    # (node, m, cap, budget, tree, min_prob) -> expansion
+        self._memo_version = -1
 
     @property
     def num_nodes(self) -> int:
@@ -283,36 +289,56 @@ class SuffixTrie:
             parents.append(parent)
             toks.append(t)
             probs.append(-nq)
-            push(c, d, len(toks) - 1, -nq, plen)
+            if len(toks) < max_nodes:            # else the loop ends: its children are never taken
+                push(c, d, len(toks) - 1, -nq, plen)
         return toks, probs, parents
 
     def match_from(self, context: Sequence[int], max_len: int, state: list | None) -> tuple[int, int]:
         """:meth:`longest_match`, reusing ``state`` = ``[version, context length, m, node,
         max_len]`` of an earlier call on a prefix of the same context (updated in place). If the
-        trie and ``max_len`` are unchanged and the old match extends by the ``j`` new tokens to a continued node of length
-        ``<= max_len``, that is the longest match (a longer one would end in a match longer than
-        ``m`` before the new tokens); otherwise a fresh binary search."""
+        trie and ``max_len`` are unchanged and the old match extends by the ``j`` new tokens to a
+        continued node of length ``<= max_len``, that is the longest match (a longer one would end
+        in a match longer than ``m`` before the new tokens); otherwise the longest match is at
+        most ``m + j`` long (same argument), found by binary search on ``[0, min(hi, m + j)]``.
+        ``context`` holds ints (no conversion)."""
         n = len(context)
-        if state is not None and state[0] == self.version and state[4] == max_len and 0 <= n - state[1] \
-                and state[2] > 0 and state[2] + n - state[1] <= min(max_len, self.max_depth - 1):
-            v, children = state[3], self.children
-            for t in context[state[1]:]:
-                v = children[v].get(int(t), -1)
-                if v < 0:
-                    break
-            if v >= 0 and children[v]:
-                m = state[2] + n - state[1]
-                state[1:4] = [n, m, v]
-                return m, v
-        m, v = self.longest_match(context, max_len)
+        hi = min(n, max_len, self.max_depth - 1)
+        children = self.children
+        if state is not None and state[0] == self.version and state[4] == max_len and 0 <= n - state[1]:
+            j = n - state[1]
+            if state[2] > 0 and state[2] + j <= hi:
+                v = state[3]
+                for t in context[state[1]:]:
+                    v = children[v].get(t, -1)
+                    if v < 0:
+                        break
+                if v >= 0 and children[v]:
+                    m = state[2] + j
+                    state[1:4] = [n, m, v]
+                    return m, v
+            hi = min(hi, state[2] + j)
+        lo, node = 0, 0
+        if hi > 0 and children[0]:
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                v = 0
+                for t in context[n - mid:]:
+                    v = children[v].get(t, -1)
+                    if v < 0:
+                        break
+                if v >= 0 and children[v]:
+                    lo, node = mid, v
+                else:
+                    hi = mid - 1
         if state is not None:
-            state[:] = [self.version, n, m, v, max_len]
-        return m, v
+            state[:] = [self.version, n, lo, node, max_len]
+        return lo, node
 
     def draft(self, context: Sequence[int], cfg: DrafterConfig, budget: int | None = None,
               source: str = "", state: list | None = None) -> Draft:
         """The draft of this trie alone for ``context`` (see the module docstring); ``state``:
-        a per-request match cache (:meth:`match_from`)."""
+        a per-request match cache (:meth:`match_from`). The expansion from a matched node is
+        memoised while the trie is unchanged (requests of a batch often match the same node)."""
         budget = cfg.budget if budget is None else budget
         # leave room for the draft below the depth bound
         m, node = self.match_from(context, max(1, self.max_depth - budget), state)
@@ -321,30 +347,219 @@ class SuffixTrie:
         cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
         if cap <= 0:
             return Draft()
-        if cfg.tree:
-            toks, probs, parents = self.expand_tree(node, m, budget, cap, cfg.min_token_prob)
-            return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents)
-        toks, probs = self.expand(node, m, cap, cfg.min_token_prob)
-        return Draft(toks, probs, m, float(sum(probs)), source if toks else "")
+        if self._memo_version != self.version or len(self._memo) > 4096:
+            self._memo.clear()
+            self._memo_version = self.version
+        key = (node, m, cap, budget, cfg.tree, cfg.min_token_prob)
+        hit = self._memo.get(key)
+        if hit is None:
+            if cfg.tree:
+                hit = self.expand_tree(node, m, budget, cap, cfg.min_token_prob)
+            else:
+                hit = (*self.expand(node, m, cap, cfg.min_token_prob), None)
+            self._memo[key] = hit
+        toks, probs, parents = hit
+        return Draft(list(toks), list(probs), m, float(sum(probs)), source if toks else "",
+                     None if parents is None else list(parents))
 
 
 class ContextIndex:
-    """The streaming suffix trie of one request's own context (prompt, then accepted tokens).
+    """One request's own context (prompt, then accepted tokens), drafted from as a depth-bounded
+    suffix trie of it would be, without building one.
 
-    ``extend(tokens)`` appends; ``tokens`` is the full context so far (the drafter matches its
-    tail)."""
+    ``extend(tokens)`` appends (``O(len(tokens))``: the tokens go into a list and a numpy buffer);
+    ``tokens`` is the full context so far. :meth:`draft` returns exactly what
+    ``SuffixTrie(max_depth)`` holding every substring of ``tokens`` would draft for ``tokens``
+    (``SuffixTrie.draft``: same match, counts, probabilities, tie-breaks and float arithmetic),
+    computing the few trie nodes a draft visits from occurrence positions instead: a node is the
+    set of end positions of its string in the context (its count is their number), its children
+    are the tokens following those positions. Indexing the context in a trie cost
+    ``O(tokens * max_depth)`` dictionary operations in the scheduler loop (tens of ms per 1K
+    tokens at depth 32 in Python, docs/war.md); a draft here costs one vectorised scan of the
+    context (int64 ``[n]``) plus work proportional to the occurrences it visits."""
+
+    _SMALL = 32          # occurrence sets up to this size are handled in Python, larger in numpy
 
     def __init__(self, max_depth: int, prompt: Sequence[int] = ()):
-        self.trie = SuffixTrie(max_depth)
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = int(max_depth)
         self.tokens: list[int] = []
-        self._front: list[int] = []
-        self.match_state: dict[int, list] = {}        # id(trie) -> its match_from state
+        self._arr = np.zeros(max(64, len(prompt) * 2), dtype=np.int64)   # tokens [capacity]; first n valid
+        self._rev = np.arange(self.max_depth, dtype=np.int64)              # 0 .. max_depth-1
+        self.match_state: dict[int, list] = {}        # id(trie) -> its match_from state (other sources)
+        self._last: tuple[int, int, int] | None = None   # (context length, match length, cap) of the last draft
         self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]) -> None:
         toks = [int(t) for t in tokens]
-        self._front = self.trie.extend(toks, self._front)
+        n, k = len(self.tokens), len(toks)
+        if n + k > len(self._arr):
+            arr = np.zeros(max(2 * len(self._arr), n + k), dtype=np.int64)
+            arr[:n] = self._arr[:n]
+            self._arr = arr
+        if k:
+            self._arr[n:n + k] = toks
         self.tokens += toks
+
+    # -- the context trie's nodes, computed from occurrence positions ----------------------------
+    def _match(self, hi: int, cap: int):
+        """Longest ``m <= hi`` such that ``tokens[-m:]`` occurs ending at some ``e < n - 1`` (a
+        trie path with a child); returns ``(m, ends)``, ``ends``: those ``e`` (ascending; int64
+        array or list) -- the node's occurrences but the one at the context's end; ``(0, None)``.
+        ``cap``: the length bound other than ``n`` (``min(max_len, max_depth - 1)``). Reuses the
+        last call's ``(n0, m0)`` under the same ``cap``: with ``j`` tokens appended since, the
+        match is at most ``m0 + j`` long (its prefix without them was a continued match then)."""
+        n, a = len(self.tokens), self._arr
+        st = self._last
+        if st is not None and st[2] == cap and n >= st[0]:
+            hi = min(hi, st[1] + n - st[0])
+        m, ends = self._match_upto(hi, n, a)
+        self._last = (n, m, cap)
+        return m, ends
+
+    def _match_upto(self, hi: int, n: int, a):
+        if hi <= 0 or n < 2:
+            return 0, None
+        last = a[n - 1]
+        if hi == 1 or n < 3:
+            e = np.flatnonzero(a[:n - 1] == last)
+            return (1, e) if len(e) else (0, None)
+        eq1 = a[1:n - 1] == last                           # e = i + 1 for i in [0, n-2)
+        e = np.flatnonzero(eq1 & (a[:n - 2] == a[n - 2])) + 1    # continued occurrences of the bigram
+        if not len(e):
+            if eq1.any() or a[0] == last:
+                return 1, np.flatnonzero(a[:n - 1] == last)
+            return 0, None
+        if hi == 2:
+            return 2, e
+        if len(e) > self._SMALL:
+            r = self._rev[2:hi]
+            idx = e[:, None] - r                            # [k, hi-2]: e-2, ..., e-hi+1
+            ok = idx >= 0
+            eq = (a[np.where(ok, idx, 0)] == a[n - 1 - r]) & ok
+            lens = np.cumprod(eq, axis=1).sum(axis=1)       # matched length beyond the bigram
+            m = int(lens.max())
+            return m + 2, e[lens == m]
+        tk = self.tokens
+        best, ends = 0, []
+        for x in e.tolist():
+            L = 2
+            while L < hi and x >= L and tk[x - L] == tk[n - 1 - L]:
+                L += 1
+            if L > best:
+                best, ends = L, [x]
+            elif L == best:
+                ends.append(x)
+        return best, ends
+
+    def _children(self, ends, n: int):
+        """Children of the node whose occurrences end at ``ends`` (ascending; numpy or list):
+        ``{token: child ends}`` (ascending ends; dict order unspecified: callers break ties by
+        token as the trie does). Occurrences at ``n - 1`` (the context's end) have no
+        continuation."""
+        if len(ends) > self._SMALL:
+            nxt = np.asarray(ends)
+            if len(nxt) and nxt[-1] >= n - 1:
+                nxt = nxt[:-1]
+            if not len(nxt):
+                return {}
+            nxt = nxt + 1
+            toks = self._arr[nxt]
+            order = np.argsort(toks, kind="stable")
+            ts, ps = toks[order], nxt[order]
+            cut = np.flatnonzero(np.diff(ts)) + 1
+            starts = [0, *cut.tolist()]
+            stops = [*cut.tolist(), len(ts)]
+            tl = ts.tolist()
+            return {tl[i]: (ps[i:j] if j - i > self._SMALL else ps[i:j].tolist()) for i, j in zip(starts, stops)}
+        out: dict[int, list[int]] = {}
+        tk = self.tokens
+        for x in ends:
+            if x < n - 1:
+                t = tk[x + 1]
+                lst = out.get(t)
+                if lst is None:
+                    out[t] = [x + 1]
+                else:
+                    lst.append(x + 1)
+        return out
+
+    def draft(self, cfg: "DrafterConfig", budget: int | None = None, source: str = "context",
+              beat: float | None = None) -> "Draft | None":
+        """``SuffixTrie(max_depth).draft(tokens, cfg, budget, source)`` of a trie holding this
+        context, bitwise (tokens, probabilities, parents, match length, score). ``beat``: return
+        ``None`` instead when the draft's score provably stays below ``beat``: a draft of paths of
+        at most ``cap`` tokens scores at most ``cap`` (the cumulative probabilities of one path
+        length sum to <= 1), so the expansion is skipped when ``cap < beat`` (with a float margin)."""
+        budget = cfg.budget if budget is None else budget
+        D, n = self.max_depth, len(self.tokens)
+        max_len = max(1, D - budget)
+        m, ends = self._match(min(n, max_len, D - 1), min(max_len, D - 1))
+        if m < cfg.min_match:
+            return Draft()
+        cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
+        if cap <= 0:
+            return Draft()
+        if beat is not None and cap * (1.0 + 1e-9) + 1e-9 < beat:
+            return None
+        count0 = len(ends) + 1                           # + the occurrence at the context's end
+        if cfg.tree:
+            toks, probs, parents = self._expand_tree(ends, count0, m, budget, cap, cfg.min_token_prob)
+            return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents)
+        toks, probs = self._expand(ends, count0, m, cap, cfg.min_token_prob)
+        return Draft(toks, probs, m, float(sum(probs)), source if toks else "")
+
+    def _expand(self, ends, count: int, depth: int, max_tokens: int, min_prob: float):
+        """``SuffixTrie.expand`` from the node (``ends``, ``count``) at ``depth``."""
+        toks: list[int] = []
+        probs: list[float] = []
+        p, n, D = 1.0, len(self.tokens), self.max_depth
+        while len(toks) < max_tokens and depth < D:
+            ch = self._children(ends, n)
+            if not ch:
+                break
+            best_t, best_c = None, -1
+            for t, e in ch.items():                    # ties: the smaller token, as SuffixTrie.expand
+                c = len(e)
+                if c > best_c or (c == best_c and t < best_t):
+                    best_t, best_c = t, c
+            q = p * best_c / count
+            if q < min_prob:
+                break
+            p = q
+            ends, count, depth = ch[best_t], best_c, depth + 1
+            toks.append(best_t)
+            probs.append(p)
+        return toks, probs
+
+    def _expand_tree(self, ends, count: int, depth: int, max_nodes: int, max_len: int, min_prob: float):
+        """``SuffixTrie.expand_tree`` from the node (``ends``, ``count``) at ``depth`` (same heap
+        keys: probability, token, push order)."""
+        heap: list = []
+        seq = itertools.count()
+        n, D = len(self.tokens), self.max_depth
+
+        def push(e, c: int, d: int, parent: int, p: float, plen: int) -> None:
+            if plen >= max_len or d >= D:
+                return
+            for t, ce in self._children(e, n).items():
+                q = p * len(ce) / c
+                if q >= min_prob:
+                    heapq.heappush(heap, (-q, t, next(seq), ce, d + 1, parent, plen + 1))
+
+        toks: list[int] = []
+        probs: list[float] = []
+        parents: list[int] = []
+        push(ends, count, depth, -1, 1.0, 0)
+        while heap and len(toks) < max_nodes:
+            nq, t, _, ce, d, parent, plen = heapq.heappop(heap)
+            parents.append(parent)
+            toks.append(t)
+            probs.append(-nq)
+            if len(toks) < max_nodes:
+                push(ce, len(ce), d, len(toks) - 1, -nq, plen)
+        return toks, probs, parents
 
 
 class SuffixDrafter:
@@ -438,19 +653,23 @@ class SuffixDrafter:
     def draft(self, ctx: ContextIndex | Sequence[int], group: Hashable = None, budget: int | None = None) -> Draft:
         """Best draft for the continuation of the context (``ctx``: a :class:`ContextIndex`, or a
         plain token list, then only the trajectory index is used)."""
-        if isinstance(ctx, ContextIndex):
-            tokens, sources = ctx.tokens, [(ctx.trie, "context")]
-        else:
-            tokens, sources = list(ctx), []
+        is_ctx = isinstance(ctx, ContextIndex)
+        tokens, states = (ctx.tokens, ctx.match_state) if is_ctx else (list(ctx), {})
+        sources = []
         if group is not None and group in self.groups:
             sources.append((self.groups[group], "group"))
         if self.cfg.use_global or group is None:
             sources.append((self.glob, "global"))
+        # the best of (context, group, global) by score, ties to the earlier, none unless > 0; the
+        # context comes last here so that its expansion is skipped when it cannot win
         best = Draft()
-        states = ctx.match_state if isinstance(ctx, ContextIndex) else {}
         for trie, name in sources:
             st = states.setdefault(id(trie), [-1, 0, 0, 0, 0])
             d = trie.draft(tokens, self.cfg, budget, name, st)
             if d.score > best.score:
+                best = d
+        if is_ctx:
+            d = ctx.draft(self.cfg, budget, beat=best.score if best.score > 0.0 else None)
+            if d is not None and d.score > 0.0 and d.score >= best.score:
                 best = d
         return best

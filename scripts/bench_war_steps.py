@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Drafting cost per SGLang scheduler step, as HARTS_SUFFIX's worker pays it, on CPU.
+
+Replays logged streams (default: the H200 model's sampled code_repair episodes) as SGLang's
+scheduler drives a speculative worker (``war.replay.replay_steps``): ``--batch`` trajectories at
+once, one request per model turn, every step one drafting call for all running requests, greedy
+tree verification against the logged tokens, each request advancing by accepted + 1 tokens.
+Timed per step: the worker's hook (``corpus.synchronize()``, ``gather_draft_inputs``,
+``SuffixCorpus.batch_get``: context updates, drafting, ids/mask layout), for
+
+* ``ref_*``: the path before the fast context index (``war.suffix_ref``: a suffix trie per
+  request's context, per-row masks), tree and chain drafts;
+* ``ours_*``: the current path (``war.suffix`` / ``war.sglang_plugin``), tree and chain; the
+  drafts are checked bitwise equal to ``ref_*``'s at every step (exit 1 otherwise);
+* ``sglang_ngram``: SGLang 0.5.17's C++ ``NgramCorpus`` as ``NGRAMWorker`` drives it
+  (``synchronize`` + ``batch_get`` + ``batch_put``, last 18 tokens), JIT-built on CPU.
+
+Completed trajectories are indexed at once, untimed (``--queued``: through the queue the
+server's feed uses, indexed by ``synchronize`` within ``index_s`` per step, timed; drafts then
+depend on timing, so no equality check). Numbers: microseconds per step and per request (step /
+batch size), p50 / p99 / mean over all steps, the median over ``--repeats`` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--streams", default=str(ROOT / "docs" / "benchmarks" / "war_sampled_streams_h200model.jsonl.gz"))
+    p.add_argument("--batch", type=int, default=8, help="concurrent trajectories")
+    p.add_argument("--draft-tokens", type=int, default=17, help="--speculative-num-draft-tokens (root + budget)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", default="ref_tree,ours_tree,ref_chain,ours_chain,sglang_ngram")
+    p.add_argument("--queued", action="store_true", help="index finished trajectories as the feed does (timed)")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+
+    import numpy as np
+
+    from megatron_harts.rollout.war.replay import NgramStep, SuffixStep, load_streams, replay_steps
+    from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus, draft_config, sglang_site
+    from megatron_harts.rollout.war.suffix_ref import RefSuffixCorpus, ref_gather_draft_inputs
+
+    streams = load_streams(args.streams)
+    n = args.draft_tokens
+
+    def make(name: str):
+        if name == "sglang_ngram":
+            sglang_site()
+            return NgramStep(n)
+        kind, shape = name.split("_")
+        if kind == "ref":
+            return SuffixStep(RefSuffixCorpus(n, draft_config(n, shape), feed=""), name, ref_gather_draft_inputs,
+                              queued=args.queued)
+        return SuffixStep(SuffixCorpus(n, draft_config(n, shape), feed=""), name, queued=args.queued)
+
+    rows, drafts = [], {}
+    for rep in range(args.repeats):
+        for name in args.methods.split(","):
+            r = replay_steps(make(name), streams, batch=args.batch, keep=not args.queued and rep == 0)
+            if r.drafts:
+                drafts[name] = r.drafts
+            rows.append({"method": name, "repeat": rep, "steps": r.steps, "mean_batch": round(r.mean_bs, 2),
+                         "accept_len": round(r.accept_len, 3), "step_us_p50": r.step_us_p50,
+                         "step_us_p99": r.step_us_p99, "step_us_mean": r.step_us_mean, "req_us_p50": r.req_us_p50,
+                         "req_us_p99": r.req_us_p99})
+            print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
+    ok = True
+    for shape in ("tree", "chain"):
+        a, b = drafts.get(f"ref_{shape}"), drafts.get(f"ours_{shape}")
+        if a is not None and b is not None:
+            same = len(a) == len(b) and all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
+                                            for x, y in zip(a, b))
+            print(f"{shape}: drafts of ours vs ref over {len(a)} steps: {'bitwise equal' if same else 'DIFFER'}")
+            ok &= same
+    print(f"\n| method | steps | mean batch | tokens/verify | step us p50 / p99 / mean | per request us p50 / p99 |")
+    print("|---|---:|---:|---:|---|---|")
+    summary = []
+    for name in args.methods.split(","):
+        rs = [r for r in rows if r["method"] == name]
+        med = {k: statistics.median(r[k] for r in rs) for k in ("step_us_p50", "step_us_p99", "step_us_mean",
+                                                                 "req_us_p50", "req_us_p99")}
+        summary.append(dict(method=name, steps=rs[0]["steps"], mean_batch=rs[0]["mean_batch"],
+                            accept_len=rs[0]["accept_len"], **med))
+        print(f"| {name} | {rs[0]['steps']} | {rs[0]['mean_batch']} | {rs[0]['accept_len']} | "
+              f"{med['step_us_p50']:.0f} / {med['step_us_p99']:.0f} / {med['step_us_mean']:.0f} | "
+              f"{med['req_us_p50']:.0f} / {med['req_us_p99']:.0f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "streams": args.streams,
+                                              "batch": args.batch, "queued": args.queued, "summary": summary,
+                                              "runs": rows, "date": time.strftime("%Y-%m-%d")}, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

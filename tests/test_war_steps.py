@@ -1,0 +1,139 @@
+"""The fast drafting path of HARTS_SUFFIX (rollout/war/suffix.py ``ContextIndex``,
+sglang_plugin.py ``SuffixCorpus.batch_get`` / ``gather_draft_inputs``) against the path it
+replaced (rollout/war/suffix_ref.py: a suffix trie per request's context, per-row masks): the
+same inputs must give bitwise the same draft tokens and tree masks, per scheduler step of a
+batched replay of the H200 model's sampled streams and on random cases."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_harts.rollout.war import suffix_ref
+from megatron_harts.rollout.war.replay import Req, SuffixStep, load_streams, replay_steps, tree_accept
+from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus, draft_config, gather_draft_inputs
+from megatron_harts.rollout.war.suffix import ContextIndex, DrafterConfig, SuffixDrafter
+
+ROOT = Path(__file__).resolve().parents[1]
+STREAMS = ROOT / "docs" / "benchmarks" / "war_sampled_streams_h200model.jsonl.gz"
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_fast_path_drafts_bitwise_equal_to_reference_on_replayed_streams(shape):
+    """Tasks t0/t1 of the sampled streams (24 trajectories, 3 RL steps) at batch 8 through the
+    plugin's hook: every step's ids and mask equal the reference path's, so the replays agree."""
+    streams = [s for s in load_streams(str(STREAMS)) if s.group in ("t0", "t1")]
+    assert len(streams) == 24
+    n = 17
+    ref = replay_steps(SuffixStep(suffix_ref.RefSuffixCorpus(n, draft_config(n, shape), feed=""), "ref",
+                                  suffix_ref.ref_gather_draft_inputs), streams, keep=True)
+    new = replay_steps(SuffixStep(SuffixCorpus(n, draft_config(n, shape), feed="")), streams, keep=True)
+    assert ref.steps > 100 and new.steps == ref.steps
+    assert _same(ref.drafts, new.drafts)
+    assert new.emitted == ref.emitted and new.accept_len == ref.accept_len > 2.0
+    assert sum(int((d[0][:, 1:] != 0).sum()) for d in new.drafts) > 1000        # it did draft
+
+
+def _ref_context_draft(tokens, cfg, budget):
+    trie = suffix_ref.SuffixTrie(cfg.max_depth)
+    trie.add(tokens)
+    return trie.draft(tokens, cfg, budget, "context")
+
+
+def _key(d):
+    return (d.tokens, d.probs, d.parents, d.match_len, d.score, d.source)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), min_size=1, max_size=6),
+       depth=st.integers(2, 12), budget=st.integers(1, 8), minp=st.sampled_from([0.0, 0.1, 0.3]),
+       factor=st.sampled_from([1.0, 2.0]), offset=st.sampled_from([0.0, 1.5]), min_match=st.integers(1, 3),
+       tree=st.booleans(), small=st.sampled_from([0, 3, 32]))
+def test_context_index_draft_equals_a_trie_of_the_context(pieces, depth, budget, minp, factor, offset, min_match, tree,
+                                                         small):
+    """``ContextIndex.draft`` (occurrence positions) equals ``SuffixTrie.draft`` of a trie holding
+    the context, after every extension (its match-length bound carried across calls), on the numpy
+    (``small`` 0) and the Python paths; ``beat`` skips only drafts scoring below it."""
+    cfg = DrafterConfig(max_depth=depth, budget=budget, min_token_prob=minp, max_spec_factor=factor,
+                        max_spec_offset=offset, min_match=min_match, tree=tree)
+    ctx = ContextIndex(depth)
+    ctx._SMALL = small
+    toks = []
+    for i, p in enumerate(pieces):
+        ctx.extend(p)
+        toks += p
+        b = budget if i % 2 == 0 else max(1, budget - 1)      # the cap changes: the bound must not leak
+        want = _ref_context_draft(toks, cfg, b)
+        assert _key(ctx.draft(cfg, b)) == _key(want)
+        got = ctx.draft(cfg, b, beat=want.score + 1e-3 if i % 3 == 0 else 0.5)
+        assert got is None or _key(got) == _key(want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(trajs=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=30), st.sampled_from(["a", "b", None])),
+                      min_size=0, max_size=5),
+       pieces=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=1, max_size=5),
+       group=st.sampled_from(["a", "b", None]), tree=st.booleans(), budget=st.integers(1, 6))
+def test_drafter_choice_among_sources_equals_reference(trajs, pieces, group, tree, budget):
+    """The best of (context, group, global) -- the context now last, skipped when it cannot win --
+    is the reference's choice (ties to the more local source), field by field."""
+    cfg = DrafterConfig(max_depth=8, budget=budget, tree=tree, max_spec_factor=2.0, min_token_prob=0.05)
+    new, ref = SuffixDrafter(cfg), suffix_ref.SuffixDrafter(cfg)
+    for t, g in trajs:
+        new.add_trajectory(t, g)
+        ref.add_trajectory(t, g)
+    c_new, c_ref = new.start(), ref.start()
+    for p in pieces:
+        c_new.extend(p)
+        c_ref.extend(p)
+        assert _key(new.draft(c_new, group)) == _key(ref.draft(c_ref, group))
+        assert _key(new.draft(list(c_new.tokens), group)) == _key(ref.draft(list(c_ref.tokens), group))
+
+
+@pytest.mark.parametrize("n", [5, 17, 63, 70])
+def test_batch_get_layout_equals_reference_any_width(n):
+    """ids and masks of a batch (new, continuing, taken-over and empty-draft requests), narrow and
+    wide (> 63 nodes: the unpackbits path), equal the reference corpus' per-row build."""
+    out = []
+    for cls in (SuffixCorpus, suffix_ref.RefSuffixCorpus):
+        for shape in ("tree", "chain"):
+            c = cls(n, draft_config(n, shape), feed="")
+            c.drafter.add_trajectory(list(range(40)) * 3, "g")
+            c.drafter.add_trajectory([1, 2, 3, 9, 9, 1, 2, 4, 9], "g")
+            a = c.batch_get(["g/x#1", "h/y#1", "g/z#1"], [[7, 1, 2], [5], list(range(30))], [3, 1, 30])
+            b = c.batch_get(["g/x#1", "h/y#1"], [[1, 2, 3, 4], [5, 6]], [5, 2])
+            c.erase_match_state(["g/x#1"])
+            d = c.batch_get(["g/x#2"], [[1, 2, 3, 4, 9, 1, 2]], [7])       # the next turn takes over
+            out.append([a, b, d])
+    half = len(out) // 2
+    for x, y in zip(out[:half], out[half:]):
+        for (ia, ma), (ib, mb) in zip(x, y):
+            assert ia.dtype == ib.dtype and ma.dtype == mb.dtype and np.array_equal(ia, ib) and np.array_equal(ma, mb)
+    assert np.asarray(out[0][0][0]).reshape(3, n)[:, 1].any()
+
+
+def test_gather_inputs_equal_reference_without_copying_the_prompt():
+    corpus, ref = SuffixCorpus(9, feed=""), suffix_ref.RefSuffixCorpus(9, feed="")
+    reqs = [Req("g/a#1", list(range(100)), [7, 8]), Req("g/b#1", [1, 2], list(range(50))), Req("g/c#1", [], [3])]
+    own_a, own_b = {}, {}
+    for step in range(3):
+        prev = [5, 6, 0, 0, 0, 0, 0, 0, 0] * 3
+        for use_prev in (False, True):
+            got = gather_draft_inputs(corpus, own_a, 32, reqs, prev, [2, 1, 0], 9, use_prev)
+            want = suffix_ref.ref_gather_draft_inputs(ref, own_b, 32, reqs, prev, [2, 1, 0], 9, use_prev)
+            assert got == want
+        corpus.batch_get(*gather_draft_inputs(corpus, own_a, 32, reqs, prev, [0, 0, 0], 9, False))
+        ref.batch_get(*suffix_ref.ref_gather_draft_inputs(ref, own_b, 32, reqs, prev, [0, 0, 0], 9, False))
+        for r in reqs:
+            r.output_ids.append(step)
+
+
+def test_tree_accept_walks_the_mask():
+    ids = [9, 1, 2, 3, 0]                 # root 9; 1 -> 2, 1 -> 3; an unused leaf 0 under the root
+    mask = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]], bool)
+    assert tree_accept(ids, mask, [1, 3, 5]) == 2 and tree_accept(ids, mask, [1, 2]) == 2
+    assert tree_accept(ids, mask, [2]) == 0 and tree_accept(ids, mask, [1]) == 1 and tree_accept(ids, mask, []) == 0
