@@ -1,7 +1,7 @@
 """Reference implementation of the suffix drafter and the plugin's corpus as they were before the
 fast context index (2026-12-03): every request's context indexed in a depth-bounded suffix trie
 (``O(tokens * max_depth)`` dictionary operations in the scheduler loop), per-row mask building.
-Kept verbatim for the equivalence test (``tests/test_war_plugin.py``: the fast path drafts
+Kept verbatim for the equivalence test (``tests/test_war_steps.py``: the fast path drafts
 bitwise the same) and the before/after benchmark (``scripts/bench_war_steps.py``). Not used by
 the server.
 """
