@@ -69,10 +69,12 @@ class _TreeConvFla(torch.autograd.Function):
             y, _ = causal_conv1d_fwd(x=x.unsqueeze(0), weight=weight, bias=bias, residual=None,
                                      activation=activation)
         y = y.squeeze(0)
-        fix = _gather_conv(x.index_select(0, sources).float(), weight.float(),
-                           None if bias is None else bias.float(), local, activation)
+        fix, taps, pre = _gather_conv_fwd(x.index_select(0, sources).float(), weight.float(),
+                                          None if bias is None else bias.float(), local, activation)
         y.index_copy_(0, rows, fix.to(y.dtype))
-        ctx.save_for_backward(x, weight, bias, rows, sources, local)
+        # taps [W, R, D] / pre [R, D] (fp32, R fix-up rows: small) are what the backward of the
+        # fix-up needs; kept instead of gathered and recomputed there (same values, fewer launches)
+        ctx.save_for_backward(x, weight, bias, rows, sources, local, taps, pre)
         ctx.activation = activation
         return y
 
@@ -80,15 +82,14 @@ class _TreeConvFla(torch.autograd.Function):
     def backward(ctx, dy):
         from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
 
-        x, weight, bias, rows, sources, local = ctx.saved_tensors
+        x, weight, bias, rows, sources, local, taps, pre = ctx.saved_tensors
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             dx, dw, db, _, _ = causal_conv1d_bwd(x=x.unsqueeze(0), dy=dy.index_fill(0, rows, 0).unsqueeze(0), dht=None,
                                                  weight=weight, bias=bias, residual=None, initial_state=None,
                                                  activation=ctx.activation)
         dx = dx.squeeze(0)
-        dsrc, dwf, dbf = _gather_conv_bwd(x.index_select(0, sources).float(), weight.float(),
-                                          None if bias is None else bias.float(), local, ctx.activation,
-                                          dy.index_select(0, rows).float())
+        dsrc, dwf, dbf = _gather_conv_bwd(taps, pre, weight.float(), bias is not None, sources.shape[0], local,
+                                          ctx.activation, dy.index_select(0, rows).float())
         dx.index_add_(0, sources, dsrc.to(dx.dtype))
         dw = (dw.float() + dwf).to(dw.dtype)
         db = (db.float() + dbf).to(db.dtype) if bias is not None else None
@@ -100,30 +101,36 @@ def _taps(x, anc):
     return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, anc.reshape(-1)).view(*anc.shape, x.shape[1])
 
 
-def _gather_conv(x, weight, bias, anc, activation):
-    """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` row indices into x (``len(x)`` = past a root).
+def _gather_conv_fwd(x, weight, bias, anc, activation):
+    """Rows ``anc[0]`` of the tree conv; anc ``[W, R]`` row indices into x ``[U, D]`` (``U`` = past a root).
 
     All W taps in one gather over x with a zero row appended, one weighted sum: a fixed handful of
-    ops whatever W (the fix-up runs in every conv layer's forward and recompute)."""
-    y = (_taps(x, anc) * weight.flip(1).t().unsqueeze(1)).sum(0)   # [W, R, D] x [W, 1, D]
+    ops whatever W (the fix-up runs in every conv layer's forward and recompute). Returns
+    (y ``[R, D]``, taps ``[W, R, D]``, pre-activation ``[R, D]``), the last two for
+    :func:`_gather_conv_bwd`."""
+    taps = _taps(x, anc)
+    y = (taps * weight.flip(1).t().unsqueeze(1)).sum(0)   # [W, R, D] x [W, 1, D]
     if bias is not None:
         y = y + bias
-    return F.silu(y) if activation in ("silu", "swish") else y
+    return (F.silu(y) if activation in ("silu", "swish") else y), taps, y
 
 
-def _gather_conv_bwd(x, weight, bias, anc, activation, dy):
-    """Gradients of :func:`_gather_conv` for output gradient dy ``[R, D]``: (dx ``[len(x), D]``,
-    dweight ``[D, W]``, dbias ``[D]`` or None), by hand (no autograd graph: it runs in every conv
-    layer's backward)."""
-    taps = _taps(x, anc)
+def _gather_conv(x, weight, bias, anc, activation):
+    """``y [R, D]`` of :func:`_gather_conv_fwd` (differentiable by autograd: the torch backend)."""
+    return _gather_conv_fwd(x, weight, bias, anc, activation)[0]
+
+
+def _gather_conv_bwd(taps, pre, weight, has_bias, num_rows, anc, activation, dy):
+    """Gradients of :func:`_gather_conv` for output gradient dy ``[R, D]``, from the forward's
+    ``taps`` ``[W, R, D]`` and pre-activation ``pre`` ``[R, D]`` (:func:`_gather_conv_fwd`):
+    (dx ``[num_rows, D]``, dweight ``[D, W]``, dbias ``[D]`` or None), by hand (no autograd graph:
+    it runs in every conv layer's backward)."""
+    D = taps.shape[-1]
     wt = weight.flip(1).t().contiguous().unsqueeze(1)             # [W, 1, D]
     if activation in ("silu", "swish"):
-        pre = (taps * wt).sum(0)
-        if bias is not None:
-            pre = pre + bias
         sig = torch.sigmoid(pre)
         dy = dy * sig * (1 + pre * (1 - sig))
-    dtaps = (dy.unsqueeze(0) * wt).view(-1, x.shape[1])           # [W * R, D]
-    dx = x.new_zeros(x.shape[0] + 1, x.shape[1]).index_add_(0, anc.reshape(-1), dtaps)[:-1]
+    dtaps = (dy.unsqueeze(0) * wt).view(-1, D)                    # [W * R, D]
+    dx = taps.new_zeros(num_rows + 1, D).index_add_(0, anc.reshape(-1), dtaps)[:-1]
     dweight = (taps * dy.unsqueeze(0)).sum(1).t().flip(1)         # [W, D] -> [D, W]
-    return dx, dweight, None if bias is None else dy.sum(0)
+    return dx, dweight, dy.sum(0) if has_bias else None

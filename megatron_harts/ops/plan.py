@@ -52,7 +52,9 @@ class ChunkPlan:
     out_index: int64 ``[T]``, where compact token u's owned output sits in ``cat(o_r)``;
     replay_pos: int64 ``[P]``, the other (replayed) positions of ``cat(o_r)``; replay_rows: int64
     ``[U]``, the distinct compact tokens they hold, and replay_slot ``[P]`` which of those each holds;
-    so the gather's backward is a gather plus P accumulations into U rows.
+    so the gather's backward is a gather plus P accumulations into U rows. replay_gather: int64
+    ``[U + P]`` = ``cat(out_index[replay_rows], replay_pos)``, the owned positions of those U
+    tokens then the replayed positions, so the backward reads both with one gather.
     """
 
     rounds: list[ChunkRound]
@@ -65,6 +67,7 @@ class ChunkPlan:
     chunk_size: int
     num_sequences: int
     num_replay_tokens: int
+    replay_gather: torch.Tensor | None = None
 
     @property
     def num_rounds(self) -> int:
@@ -176,7 +179,8 @@ def chunk_plan(pack: TreePack, chunk_size: int | None = None) -> ChunkPlan:
         replay_pos = np.flatnonzero(~owned)
         rows, slot = np.unique(h["gather_all"][replay_pos], return_inverse=True)
         return ChunkPlan(rounds, t(h["gather_all"]), h["round_sizes"], t(h["out_index"]), t(replay_pos), t(rows),
-                         t(slot.astype(np.int64)), C, h["num_sequences"], h["num_replay_tokens"])
+                         t(slot.astype(np.int64)), C, h["num_sequences"], h["num_replay_tokens"],
+                         t(np.concatenate([h["out_index"][rows], replay_pos]).astype(np.int64)))
 
     return pack.cached(("chunk_plan", C, str(pack.device)), device)
 

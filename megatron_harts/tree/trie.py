@@ -55,7 +55,7 @@ def build_trie(seqs: list[np.ndarray], merge_prefixes: bool = True) -> Trie:
 
     With ``merge_prefixes=False`` every trajectory stays its own chain (the trajectory-wise
     layout, in input order). Time is linear in the total number of tokens plus one sort of the
-    trajectories.
+    trajectories; the Python loops run over trajectories (numpy slices), never over tokens.
     """
     n = len(seqs)
     lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
@@ -70,28 +70,26 @@ def build_trie(seqs: list[np.ndarray], merge_prefixes: bool = True) -> Trie:
     off = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(s_lens, out=off[1:])
 
-    # lcp[j]: longest common prefix of sorted trajectories j-1 and j (0 for j = 0).
+    # lcp[j]: longest common prefix of sorted trajectories j-1 and j (0 for j = 0): the first
+    # mismatch of each neighbouring pair, one vectorised comparison per pair.
     lcp = np.zeros(n, dtype=np.int64)
     if merge_prefixes and n > 1:
-        m = np.minimum(s_lens[:-1], s_lens[1:])
-        pair, pos = _segment_ids(m)
-        differs = flat[off[pair] + pos] != flat[off[pair + 1] + pos]
-        first = np.full(n - 1, np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(first, pair[differs], pos[differs])
-        lcp[1:] = np.minimum(first, m)
+        m = np.minimum(s_lens[:-1], s_lens[1:]).tolist()
+        o = off.tolist()
+        for j in range(1, n):
+            a, b, k = o[j - 1], o[j], m[j - 1]
+            d = flat[a:a + k] != flat[b:b + k]
+            first = int(d.argmax())
+            lcp[j] = first if d[first] else k
 
     seg, p = _segment_ids(s_lens)
     own = p >= lcp[seg]  # this trajectory creates the node at position p
-    # A shared position points at the same position of the previous sorted trajectory;
-    # pointer jumping resolves chains of shared positions in log2(n) rounds.
-    src = np.where(own, np.arange(flat.shape[0], dtype=np.int64), off[np.maximum(seg - 1, 0)] + p)
-    while True:
-        nxt = src[src]
-        if np.array_equal(nxt, src):
-            break
-        src = nxt
-    node_of_own = np.cumsum(own) - 1
-    node = node_of_own[src]  # node id of every (trajectory, position), sorted order
+    # Own positions number the nodes in order; a shared position (p < lcp[j]) has the node of the
+    # same position of the previous sorted trajectory, already resolved when trajectories are
+    # filled in sorted order: one slice copy per trajectory (n - 1 copies of sum(lcp) tokens).
+    node = np.cumsum(own) - 1
+    for j in np.flatnonzero(lcp).tolist():
+        node[off[j]:off[j] + lcp[j]] = node[off[j - 1]:off[j - 1] + lcp[j]]
 
     tokens = flat[own]
     position = p[own]
@@ -111,6 +109,6 @@ def build_trie(seqs: list[np.ndarray], merge_prefixes: bool = True) -> Trie:
     rank[order] = np.arange(n, dtype=np.int64)
     traj_cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lens, out=traj_cu[1:])
-    in_seg, in_pos = _segment_ids(lens)
-    traj_index = node[off[rank[in_seg]] + in_pos]
+    o = off.tolist()
+    traj_index = np.concatenate([node[o[r]:o[r + 1]] for r in rank.tolist()])
     return Trie(tokens, position, parent, subtree_end, multiplicity, traj_index, traj_cu)
