@@ -562,6 +562,385 @@ class ContextIndex:
         return toks, probs, parents
 
 
+class CorpusIndex:
+    """Completed trajectories (a group's or all of them), drafted from exactly as a
+    ``SuffixTrie(max_depth)`` holding them would be, without building one.
+
+    The tokens are concatenated, each trajectory preceded by a separator (-1; tokens must be
+    ``>= 0``), into a list and a numpy buffer; every position is also appended to the occurrence
+    list of its token and of its bigram (the bigram's two tokens in the same trajectory), so
+    indexing costs two dictionary operations per token instead of ``max_depth`` (the trie).
+    A trie node is the set of end positions of its string (its ``count`` their number: every
+    occurrence inside one trajectory's indexed part), its children the tokens after them (not a
+    separator nor past the indexed end). :meth:`draft` reproduces ``SuffixTrie.draft``: the longest
+    continued match (a suffix of length ``>= 2``: the occurrences of its last bigram, filtered by
+    the earlier tokens one length at a time; length 1: the token's occurrences), the same counts,
+    float arithmetic and tie-breaks (the expansion is :class:`ContextIndex`'s), the expansion
+    memoised while the index is unchanged. Same streaming interface as the trie
+    (``extend(tokens, frontier) -> frontier``, ``remove(tokens)`` of the oldest trajectory, FIFO);
+    removed positions are dropped from the lists and the buffer is compacted once they dominate."""
+
+    _SMALL = 128         # occurrence sets up to this size are handled in Python, larger in numpy
+    SEP = -1
+
+    def __init__(self, max_depth: int = 64):
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = int(max_depth)
+        self.version = next(_VERSIONS)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._arr = np.full(1024, self.SEP, dtype=np.int64)   # [capacity]; first _n valid, the rest SEP
+        self._tk: list[int] = [self.SEP, self.SEP]             # the same as a list, plus one SEP past the end
+        self._n = 1                                            # position 0: a separator
+        self._occ: dict[tuple, list[int]] = {}                 # n-gram (n <= 3) -> end positions (ascending)
+        self._succ: dict[tuple, list[int]] = {}                # n-gram (n < 3) -> the tokens that follow it
+        self._npc: dict = {}                                   # key -> numpy copy of a long list
+        self._segs: deque[tuple[int, int]] = deque()           # [start, end) of complete-or-open streams
+        self._open = None                                      # id of the open stream (its segment is last)
+        self._dead = 0                                         # positions below this were removed
+        self.num_tokens = 0                                    # indexed tokens (the trie's root count)
+        self._memo: dict[tuple, tuple] = {}
+        self._memo_version = -1
+
+    # -- indexing ----------------------------------------------------------------------------------
+    def extend(self, tokens: Sequence[int], frontier=None):
+        """Index ``tokens`` as the continuation of the stream ``frontier`` (what the last call for
+        it returned; ``None``: a new stream, which closes any open one); returns the stream's new
+        frontier. Streams are indexed one after another. ``O(len(tokens))``."""
+        toks = [int(t) for t in tokens]
+        if toks and min(toks) < 0:
+            raise ValueError("CorpusIndex: tokens must be >= 0")
+        self.version = next(_VERSIONS)
+        if frontier is None or frontier != self._open:
+            if frontier is not None:
+                raise ValueError("CorpusIndex.extend(): streams must be indexed one after another")
+            if self._tk[self._n - 1] != self.SEP:               # close the last stream
+                self._n += 1
+                self._tk.append(self.SEP)
+            self._open = next(_VERSIONS)
+            self._segs.append((self._n, self._n))
+        k, p0 = len(toks), self._n
+        if not k:
+            return self._open
+        if p0 + k + 2 > len(self._arr):
+            arr = np.full(max(2 * len(self._arr), p0 + k + 2), self.SEP, dtype=np.int64)
+            arr[:p0] = self._arr[:p0]
+            self._arr = arr
+        self._arr[p0:p0 + k] = toks
+        tk = self._tk
+        prev = tk[p0 - 1]
+        tk.pop()
+        tk += toks
+        tk.append(self.SEP)
+        occ, succ = self._occ, self._succ
+        a1 = tk[p0 - 2] if prev != -1 else -1                # the two tokens before (-1: none)
+        a2 = prev
+        for p, t in enumerate(toks, p0):
+            key = (t,)
+            lst = occ.get(key)
+            if lst is None:
+                occ[key] = [p]
+            else:
+                lst.append(p)
+            if a2 != -1:
+                key = (a2, t)
+                lst = occ.get(key)
+                if lst is None:
+                    occ[key] = [p]
+                    self._add_succ((a2,), t)
+                else:
+                    lst.append(p)
+                if a1 != -1:
+                    key = (a1, a2, t)
+                    lst = occ.get(key)
+                    if lst is None:
+                        occ[key] = [p]
+                        self._add_succ((a1, a2), t)
+                    else:
+                        lst.append(p)
+            a1, a2 = a2, t
+        self._n = p0 + k
+        s, _ = self._segs[-1]
+        self._segs[-1] = (s, self._n)
+        self.num_tokens += k
+        return self._open
+
+    def add(self, tokens: Sequence[int]) -> None:
+        self.extend(tokens)
+
+    def _add_succ(self, key: tuple, t: int) -> None:
+        nxt = self._succ.get(key)
+        if nxt is None:
+            self._succ[key] = [t]
+        else:
+            nxt.append(t)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Undo the indexing of the oldest trajectory, which must be ``tokens``."""
+        toks = [int(t) for t in tokens]
+        if not self._segs:
+            raise ValueError("remove(): these tokens were not added to this index")
+        s, e = self._segs[0]
+        if self._tk[s:e] != toks:
+            raise ValueError("remove(): these tokens were not added to this index (as the oldest)")
+        self.version = next(_VERSIONS)
+        self._segs.popleft()
+        if not self._segs:
+            self._open = None
+        cnt: dict[tuple, int] = {}                # n-gram -> its end positions in the trajectory
+        for i in range(len(toks)):
+            for n in range(1, min(3, i + 1) + 1):
+                key = tuple(toks[i + 1 - n:i + 1])
+                cnt[key] = cnt.get(key, 0) + 1
+        occ, succ = self._occ, self._succ
+        for key, c in cnt.items():                # its positions are the first c of each list
+            lst = occ[key]
+            if c < len(lst):
+                del lst[:c]
+                continue
+            del occ[key]
+            if len(key) > 1:
+                nxt = succ[key[:-1]]
+                nxt.remove(key[-1])
+                if not nxt:
+                    del succ[key[:-1]]
+        self._npc.clear()
+        self.num_tokens -= len(toks)
+        self._dead = e
+        if not self._segs:
+            self._reset()
+        elif self._dead > 4096 and self._dead > self._n - self._dead:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Re-index the live streams from position 1 (amortised ``O(1)`` per removed token); the
+        last one stays open under the same frontier."""
+        live, opened = self.trajectories(), self._open
+        self._reset()
+        for toks in live:
+            self.extend(toks)
+        self._open = opened
+
+    def trajectories(self) -> list[list[int]]:
+        """The indexed streams (oldest first; the last possibly partly indexed)."""
+        return [self._tk[s:e] for s, e in self._segs]
+
+    def to_trie(self) -> SuffixTrie:
+        """A :class:`SuffixTrie` holding the same streams (tests)."""
+        trie = SuffixTrie(self.max_depth)
+        for toks in self.trajectories():
+            trie.add(toks)
+        return trie
+
+    # -- the trie's nodes, computed from occurrence positions --------------------------------------
+    def _np(self, key, lst):
+        arr = self._npc.get(key)          # lists only grow between removals (which clear this)
+        if arr is None:
+            arr = self._npc[key] = np.array(lst, dtype=np.int64)
+        elif len(arr) != len(lst):
+            arr = self._npc[key] = np.concatenate((arr, np.array(lst[len(arr):], dtype=np.int64)))
+        return arr
+
+    def _continued(self, ends) -> bool:
+        """Whether some occurrence in ``ends`` (of a string longer than 2) continues."""
+        tk = self._tk
+        for x in ends[:8]:                       # usually the first ones do
+            if tk[x + 1] != -1:
+                return True
+        if len(ends) <= 8:
+            return False
+        if isinstance(ends, np.ndarray):
+            return bool((self._arr[ends[8:] + 1] != self.SEP).any())
+        return any(tk[x + 1] != -1 for x in ends[8:])
+
+    def _ends(self, key):
+        """The occurrence list of an n-gram (live: read it, never change it)."""
+        return self._occ[key]
+
+    def _search(self, ctx: Sequence[int], hi: int):
+        """Longest ``m <= hi`` such that ``ctx[-m:]`` has a continued occurrence; ``(m, ends)``
+        with ``ends`` all its occurrences (ascending), ``(0, None)`` if none. Up to 3 tokens: an
+        n-gram with a successor; longer: the trigram's occurrences filtered by the earlier tokens
+        one length at a time."""
+        n = len(ctx)
+        if hi <= 0 or n == 0 or not self.num_tokens:
+            return 0, None
+        for d in range(min(hi, n, 3), 0, -1):
+            key = tuple(ctx[n - d:])
+            if d < 3:
+                if key in self._succ:
+                    return d, self._ends(key)
+                continue
+            lst = self._occ.get(key)
+            if lst is None:
+                continue
+            ends = self._np(key, lst) if len(lst) > self._SMALL else lst
+            if not self._continued(ends):
+                continue
+            best, best_ends = 3, ends
+            L, a, tk = 4, self._arr, self._tk
+            while L <= hi:
+                q = ctx[n - L]
+                if isinstance(ends, np.ndarray):
+                    ends = ends[a[ends - (L - 1)] == q]
+                    if len(ends) <= self._SMALL:
+                        ends = ends.tolist()
+                else:
+                    ends = [x for x in ends if tk[x - L + 1] == q]
+                if not len(ends) or not self._continued(ends):
+                    break
+                best, best_ends = L, ends
+                L += 1
+            return best, best_ends
+        return 0, None
+
+    def match_from(self, ctx: Sequence[int], max_len: int, state: list | None):
+        """``SuffixTrie.match_from``: ``(m, ends)`` of the longest continued suffix of ``ctx``
+        (``m <= max_len``), reusing ``state`` = ``[version, context length, m, ends, max_len]``:
+        with ``j`` tokens appended and the index unchanged the match is at most ``m + j`` long,
+        and exactly that if the old occurrences continue with the new tokens and then some."""
+        n = len(ctx)
+        hi = min(n, max_len, self.max_depth - 1)
+        if state is not None and state[0] == self.version and state[4] == max_len and 0 <= n - state[1]:
+            j, m0 = n - state[1], state[2]
+            if 3 < m0 + j <= hi and m0 > 0:           # (up to 3 tokens the search is a few lookups)
+                ends = state[3]
+                new = ctx[state[1]:]
+                if j:
+                    if len(ends) > self._SMALL:
+                        ends = np.asarray(ends)
+                        a = self._arr
+                        for i, t in enumerate(new, 1):
+                            ends = ends[a[ends + i] == t]
+                        ends = ends + j
+                        if len(ends) <= self._SMALL:
+                            ends = ends.tolist()
+                    else:
+                        tk, new = self._tk, list(new)
+                        ends = [x + j for x in ends if tk[x + 1:x + j + 1] == new]
+                if len(ends) and self._continued(ends):
+                    state[1:4] = [n, m0 + j, ends]
+                    return m0 + j, ends
+            hi = min(hi, m0 + j)
+        m, ends = self._search(ctx, hi)
+        if state is not None:
+            state[:] = [self.version, n, m, ends, max_len]
+        return m, ends
+
+    def _children(self, ends, depth: int):
+        """``{token: child ends}`` of the node of length ``depth`` whose occurrences end at
+        ``ends`` (ascending; separators and the indexed end have no continuation; dict order
+        unspecified): up to 2 tokens, the n-gram's successors' occurrence lists; longer, grouped."""
+        if depth < 3:
+            e = int(ends[0])
+            key = tuple(self._tk[e - depth + 1:e + 1])
+            return {t: self._ends(key + (t,)) for t in self._succ.get(key, ())}
+        if len(ends) > self._SMALL:
+            nxt = np.asarray(ends) + 1
+            toks = self._arr[nxt]
+            keep = toks != self.SEP
+            if not keep.all():
+                nxt, toks = nxt[keep], toks[keep]
+            if not len(nxt):
+                return {}
+            order = np.argsort(toks, kind="stable")
+            ts, ps = toks[order], nxt[order]
+            cut = np.flatnonzero(np.diff(ts)) + 1
+            starts = [0, *cut.tolist()]
+            stops = [*cut.tolist(), len(ts)]
+            tl = ts.tolist()
+            return {tl[i]: (ps[i:j] if j - i > self._SMALL else ps[i:j].tolist()) for i, j in zip(starts, stops)}
+        out: dict[int, list[int]] = {}
+        tk = self._tk
+        for x in ends:
+            t = tk[x + 1]
+            if t != -1:
+                lst = out.get(t)
+                if lst is None:
+                    out[t] = [x + 1]
+                else:
+                    lst.append(x + 1)
+        return out
+
+    def _expand(self, ends, depth: int, max_tokens: int, min_prob: float):
+        """``SuffixTrie.expand`` from the node ``ends`` at ``depth``."""
+        toks: list[int] = []
+        probs: list[float] = []
+        p, D, count = 1.0, self.max_depth, len(ends)
+        while len(toks) < max_tokens and depth < D:
+            ch = self._children(ends, depth)
+            if not ch:
+                break
+            best_t, best_c = None, -1
+            for t, e in ch.items():                    # ties: the smaller token, as SuffixTrie.expand
+                c = len(e)
+                if c > best_c or (c == best_c and t < best_t):
+                    best_t, best_c = t, c
+            q = p * best_c / count
+            if q < min_prob:
+                break
+            p = q
+            ends, count, depth = ch[best_t], best_c, depth + 1
+            toks.append(best_t)
+            probs.append(p)
+        return toks, probs
+
+    def _expand_tree(self, ends, depth: int, max_nodes: int, max_len: int, min_prob: float):
+        """``SuffixTrie.expand_tree`` from the node ``ends`` at ``depth`` (same heap keys)."""
+        heap: list = []
+        seq = itertools.count()
+        D = self.max_depth
+
+        def push(e, d: int, parent: int, p: float, plen: int) -> None:
+            if plen >= max_len or d >= D:
+                return
+            c = len(e)
+            for t, ce in self._children(e, d).items():
+                q = p * len(ce) / c
+                if q >= min_prob:
+                    heapq.heappush(heap, (-q, t, next(seq), ce, d + 1, parent, plen + 1))
+
+        toks: list[int] = []
+        probs: list[float] = []
+        parents: list[int] = []
+        push(ends, depth, -1, 1.0, 0)
+        while heap and len(toks) < max_nodes:
+            nq, t, _, ce, d, parent, plen = heapq.heappop(heap)
+            parents.append(parent)
+            toks.append(t)
+            probs.append(-nq)
+            if len(toks) < max_nodes:
+                push(ce, d, len(toks) - 1, -nq, plen)
+        return toks, probs, parents
+
+    def draft(self, context: Sequence[int], cfg: DrafterConfig, budget: int | None = None,
+              source: str = "", state: list | None = None) -> Draft:
+        """``SuffixTrie.draft`` of a trie holding the indexed streams, bitwise."""
+        budget = cfg.budget if budget is None else budget
+        m, ends = self.match_from(context, max(1, self.max_depth - budget), state)
+        if m < cfg.min_match:
+            return Draft()
+        cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
+        if cap <= 0:
+            return Draft()
+        if self._memo_version != self.version or len(self._memo) > 4096:
+            self._memo.clear()
+            self._memo_version = self.version
+        key = (int(ends[0]), m, cap, budget, cfg.tree, cfg.min_token_prob)   # first end + length: the string
+        hit = self._memo.get(key)
+        if hit is None:
+            if cfg.tree:
+                hit = self._expand_tree(ends, m, budget, cap, cfg.min_token_prob)
+            else:
+                hit = (*self._expand(ends, m, cap, cfg.min_token_prob), None)
+            self._memo[key] = hit
+        toks, probs, parents = hit
+        return Draft(list(toks), list(probs), m, float(sum(probs)), source if toks else "",
+                     None if parents is None else list(parents))
+
+
 class SuffixDrafter:
     """Drafts from completed trajectories (per group and global) and the request's context.
 
@@ -573,8 +952,8 @@ class SuffixDrafter:
 
     def __init__(self, config: DrafterConfig | None = None):
         self.cfg = config or DrafterConfig()
-        self.groups: dict[Hashable, SuffixTrie] = {}
-        self.glob = SuffixTrie(self.cfg.max_depth)
+        self.groups: dict[Hashable, CorpusIndex] = {}
+        self.glob = CorpusIndex(self.cfg.max_depth)
         self._fifo: deque[tuple[Hashable, tuple[int, ...]]] = deque()
         self.indexed_tokens = 0
         # queued trajectories: [tokens, group, next position, group-trie frontier, global frontier]
@@ -613,7 +992,7 @@ class SuffixDrafter:
             n = min(len(toks) - pos, slice_tokens if max_tokens is None else min(slice_tokens, max_tokens - done))
             piece = toks[pos:pos + n]
             if group is not None:
-                job[3] = self.groups.setdefault(group, SuffixTrie(self.cfg.max_depth)).extend(piece, job[3])
+                job[3] = self.groups.setdefault(group, CorpusIndex(self.cfg.max_depth)).extend(piece, job[3])
             if use_glob or group is None:
                 job[4] = self.glob.extend(piece, job[4])
             job[2] = pos + n
@@ -641,7 +1020,7 @@ class SuffixDrafter:
         if g is not None:
             trie = self.groups[g]
             trie.remove(toks)
-            if trie.count[0] == 0:
+            if trie.num_tokens == 0:
                 del self.groups[g]
         if self.cfg.use_global or g is None:
             self.glob.remove(toks)
