@@ -155,7 +155,7 @@ def test_corpus_index_draft_equals_a_trie_of_the_trajectories(trajs, pieces, dep
     cfg = DrafterConfig(max_depth=depth, budget=budget, min_token_prob=minp, max_spec_factor=factor,
                         max_spec_offset=offset, min_match=min_match, tree=tree)
     idx, trie = CorpusIndex(depth), suffix_ref.SuffixTrie(depth)
-    idx._SMALL = small
+    idx._SMALL, idx._COMPACT = small, (0 if chunk % 2 else 4096)     # compaction on removal, or not
     s_idx, s_trie = [-1, 0, 0, 0, 0], [-1, 0, 0, 0, 0]
     query: list[int] = []
 
