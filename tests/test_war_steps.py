@@ -140,8 +140,8 @@ def test_tree_accept_walks_the_mask():
 
 
 @settings(max_examples=200, deadline=None)
-@given(trajs=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=40), min_size=1, max_size=6),
-       pieces=st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=12), min_size=1, max_size=6),
+@given(trajs=st.lists(st.lists(st.integers(-1, 3), min_size=1, max_size=40), min_size=1, max_size=6),
+       pieces=st.lists(st.lists(st.integers(-1, 3), min_size=0, max_size=12), min_size=1, max_size=6),
        depth=st.integers(2, 12), budget=st.integers(1, 8), minp=st.sampled_from([0.0, 0.1, 0.3]),
        factor=st.sampled_from([1.0, 2.0]), offset=st.sampled_from([0.0, 1.5]), min_match=st.integers(1, 3),
        tree=st.booleans(), small=st.sampled_from([0, 3, 32]), chunk=st.integers(1, 50), evict=st.integers(0, 3))
@@ -151,7 +151,7 @@ def test_corpus_index_draft_equals_a_trie_of_the_trajectories(trajs, pieces, dep
     ``SuffixTrie.draft`` of a trie holding the same trajectories, with the last one partly indexed
     (streamed in chunks), after FIFO removals (and a compaction), for a query extended between
     calls (its match state carried across calls and index changes), on the numpy (``small`` 0) and
-    the Python paths."""
+    the Python paths (tokens may be negative: the separator is none of them)."""
     cfg = DrafterConfig(max_depth=depth, budget=budget, min_token_prob=minp, max_spec_factor=factor,
                         max_spec_offset=offset, min_match=min_match, tree=tree)
     idx, trie = CorpusIndex(depth), suffix_ref.SuffixTrie(depth)

@@ -49,6 +49,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 _VERSIONS = itertools.count(1)      # trie versions, unique across tries
+_SEP = -(1 << 62)                   # CorpusIndex's trajectory separator (no token id)
 
 
 @dataclass
@@ -569,8 +570,8 @@ class CorpusIndex:
     ``SuffixTrie(max_depth)`` holding them would be (``SuffixTrie.draft``: same match, counts,
     probabilities, tie-breaks and float arithmetic), without building one.
 
-    The tokens are concatenated, each trajectory preceded by a separator (-1; tokens must be
-    ``>= 0``), into a list and a numpy buffer; every position is appended to the occurrence list
+    The tokens are concatenated, each trajectory preceded by a separator (``SEP``, a value no
+    token takes), into a list and a numpy buffer; every position is appended to the occurrence list
     of the 1-, 2- and 3-gram ending there (inside one trajectory), and each new 2-/3-gram adds its
     last token to its prefix's successors, so indexing costs ~3 dictionary operations per token
     instead of ``max_depth`` (the trie; ~0.6 vs ~8.5 us per token here). A trie node is the set of
@@ -586,7 +587,7 @@ class CorpusIndex:
 
     _SMALL = 128         # occurrence sets up to this size are handled in Python, larger in numpy
     _COMPACT = 4096      # compact once more than this many (and half the) positions are removed
-    SEP = -1
+    SEP = _SEP
 
     def __init__(self, max_depth: int = 64):
         if max_depth < 1:
@@ -615,8 +616,8 @@ class CorpusIndex:
         it returned; ``None``: a new stream, which closes any open one); returns the stream's new
         frontier. Streams are indexed one after another. ``O(len(tokens))``."""
         toks = [int(t) for t in tokens]
-        if toks and min(toks) < 0:
-            raise ValueError("CorpusIndex: tokens must be >= 0")
+        if _SEP in toks:
+            raise ValueError(f"CorpusIndex: token {_SEP} is reserved (the separator)")
         self.version = next(_VERSIONS)
         if frontier is None or frontier != self._open:
             if frontier is not None:
@@ -640,7 +641,8 @@ class CorpusIndex:
         tk += toks
         tk.append(self.SEP)
         occ, succ = self._occ, self._succ
-        a1 = tk[p0 - 2] if prev != -1 else -1                # the two tokens before (-1: none)
+        sep = _SEP
+        a1 = tk[p0 - 2] if prev != sep else sep              # the two tokens before (sep: none)
         a2 = prev
         for p, t in enumerate(toks, p0):
             key = (t,)
@@ -649,7 +651,7 @@ class CorpusIndex:
                 occ[key] = [p]
             else:
                 lst.append(p)
-            if a2 != -1:
+            if a2 != sep:
                 key = (a2, t)
                 lst = occ.get(key)
                 if lst is None:
@@ -657,7 +659,7 @@ class CorpusIndex:
                     self._add_succ((a2,), t)
                 else:
                     lst.append(p)
-                if a1 != -1:
+                if a1 != sep:
                     key = (a1, a2, t)
                     lst = occ.get(key)
                     if lst is None:
@@ -752,13 +754,13 @@ class CorpusIndex:
         """Whether some occurrence in ``ends`` (of a string longer than 2) continues."""
         tk = self._tk
         for x in ends[:8]:                       # usually the first ones do
-            if tk[x + 1] != -1:
+            if tk[x + 1] != _SEP:
                 return True
         if len(ends) <= 8:
             return False
         if isinstance(ends, np.ndarray):
             return bool((self._arr[ends[8:] + 1] != self.SEP).any())
-        return any(tk[x + 1] != -1 for x in ends[8:])
+        return any(tk[x + 1] != _SEP for x in ends[8:])
 
     def _ends(self, key):
         """The occurrence list of an n-gram (live: read it, never change it)."""
@@ -861,7 +863,7 @@ class CorpusIndex:
         tk = self._tk
         for x in ends:
             t = tk[x + 1]
-            if t != -1:
+            if t != _SEP:
                 lst = out.get(t)
                 if lst is None:
                     out[t] = [x + 1]
