@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from megatron_harts.rollout.war import suffix_ref
 from megatron_harts.rollout.war.replay import Req, SuffixStep, load_streams, replay_steps, tree_accept
 from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus, draft_config, gather_draft_inputs
-from megatron_harts.rollout.war.suffix import ContextIndex, DrafterConfig, SuffixDrafter
+from megatron_harts.rollout.war.suffix import ContextIndex, CorpusIndex, DrafterConfig, SuffixDrafter
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS = ROOT / "docs" / "benchmarks" / "war_sampled_streams_h200model.jsonl.gz"
@@ -137,3 +137,47 @@ def test_tree_accept_walks_the_mask():
     mask = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]], bool)
     assert tree_accept(ids, mask, [1, 3, 5]) == 2 and tree_accept(ids, mask, [1, 2]) == 2
     assert tree_accept(ids, mask, [2]) == 0 and tree_accept(ids, mask, [1]) == 1 and tree_accept(ids, mask, []) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(trajs=st.lists(st.lists(st.integers(-1, 3), min_size=1, max_size=40), min_size=1, max_size=6),
+       pieces=st.lists(st.lists(st.integers(-1, 3), min_size=0, max_size=12), min_size=1, max_size=6),
+       depth=st.integers(2, 12), budget=st.integers(1, 8), minp=st.sampled_from([0.0, 0.1, 0.3]),
+       factor=st.sampled_from([1.0, 2.0]), offset=st.sampled_from([0.0, 1.5]), min_match=st.integers(1, 3),
+       tree=st.booleans(), small=st.sampled_from([0, 3, 32]), chunk=st.integers(1, 50), evict=st.integers(0, 3))
+def test_corpus_index_draft_equals_a_trie_of_the_trajectories(trajs, pieces, depth, budget, minp, factor, offset,
+                                                             min_match, tree, small, chunk, evict):
+    """``CorpusIndex.draft`` (occurrence positions over the concatenated trajectories) equals
+    ``SuffixTrie.draft`` of a trie holding the same trajectories, with the last one partly indexed
+    (streamed in chunks), after FIFO removals (and a compaction), for a query extended between
+    calls (its match state carried across calls and index changes), on the numpy (``small`` 0) and
+    the Python paths (tokens may be negative: the separator is none of them)."""
+    cfg = DrafterConfig(max_depth=depth, budget=budget, min_token_prob=minp, max_spec_factor=factor,
+                        max_spec_offset=offset, min_match=min_match, tree=tree)
+    idx, trie = CorpusIndex(depth), suffix_ref.SuffixTrie(depth)
+    idx._SMALL, idx._COMPACT = small, (0 if chunk % 2 else 4096)     # compaction on removal, or not
+    s_idx, s_trie = [-1, 0, 0, 0, 0], [-1, 0, 0, 0, 0]
+    query: list[int] = []
+
+    def check(i):
+        b = budget if i % 2 == 0 else max(1, budget - 1)      # the cap changes: the bound must not leak
+        assert _key(idx.draft(query, cfg, b, "group", s_idx)) == _key(trie.draft(query, cfg, b, "group", s_trie))
+
+    for i, t in enumerate(trajs):
+        fi, ft = None, None
+        for j in range(0, len(t), chunk):                     # streamed: drafts see the indexed prefix
+            fi, ft = idx.extend(t[j:j + chunk], fi), trie.extend(t[j:j + chunk], ft)
+            query += pieces[(i + j) % len(pieces)]
+            check(i + j)
+    for i, p in enumerate(pieces):
+        query += p
+        check(i)
+    if evict:
+        idx._compact()                                         # re-indexing keeps the content
+    for t in trajs[:evict]:
+        idx.remove(t)
+        trie.remove(t)
+        check(0)
+        query += pieces[0]
+        check(1)
+    assert idx.num_tokens == trie.count[0]

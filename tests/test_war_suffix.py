@@ -46,7 +46,10 @@ def ref_draft(seqs, ctx, cfg, depth):
 
 
 def canon(trie, depth):
-    """{string: count} of every node (a trie's exact content)."""
+    """{string: count} of every node (a trie's exact content; a ``CorpusIndex``: of the trie of
+    what it holds)."""
+    if hasattr(trie, "to_trie"):
+        trie = trie.to_trie()
     out, stack = {}, [(0, ())]
     while stack:
         v, s = stack.pop()
@@ -267,10 +270,10 @@ def test_index_pending_time_budget():
     d.queue_trajectory(list(range(1000, 1200)) + list(range(100)) * 200, "g")
     got = d.index_pending(max_s=0.0)                           # at least one slice, then stop
     assert got == 256 and d.pending_tokens == 20200 - 256
-    assert d.indexed_tokens == 0 and d.groups["g"].count[0] == 256     # not complete: not in the FIFO yet
+    assert d.indexed_tokens == 0 and d.groups["g"].num_tokens == 256     # not complete: not in the FIFO yet
     assert d.draft([1003, 1004, 1005, 1006], group="g").tokens == [1007, 1008, 1009, 1010]   # the indexed prefix drafts
     assert d.draft([58, 59, 60, 61], group="g").tokens == []                 # 60, 61 come after token 256
     while d.pending_tokens:
         d.index_pending(max_s=0.01)
-    assert d.indexed_tokens == 20200 and d.glob.count[0] == 20200
+    assert d.indexed_tokens == 20200 and d.glob.num_tokens == 20200
     assert d.draft([58, 59, 60, 61], group="g").tokens == [62, 63, 64, 65]

@@ -8,8 +8,10 @@ Adding a sequence of ``n`` tokens costs ``O(n * max_depth)`` dictionary operatio
 (FIFO eviction under a token budget) costs the same and restores the exact trie that was there
 without it.
 
-:class:`SuffixDrafter` keeps one trie per group (a task's earlier samples: this step's finished
-ones and earlier steps'), one global trie over all groups, and for each request its own context
+:class:`SuffixDrafter` keeps one index per group (a task's earlier samples: this step's finished
+ones and earlier steps'), one global index over all groups (:class:`CorpusIndex`: drafted from
+exactly as such a trie would be, from n-gram occurrence lists, so indexing costs ``O(1)``
+dictionary operations per token), and for each request its own context
 (:class:`ContextIndex`: the prompt, then every accepted token; drafted from exactly as a trie of it
 would be, but computed from occurrence positions, so appending costs ``O(1)`` per token instead of
 ``O(max_depth)`` dictionary operations). A draft:
@@ -47,6 +49,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 _VERSIONS = itertools.count(1)      # trie versions, unique across tries
+_SEP = -(1 << 62)                   # CorpusIndex's trajectory separator (no token id)
 
 
 @dataclass
@@ -562,6 +565,389 @@ class ContextIndex:
         return toks, probs, parents
 
 
+class CorpusIndex:
+    """Completed trajectories (a group's or all of them), drafted from exactly as a
+    ``SuffixTrie(max_depth)`` holding them would be (``SuffixTrie.draft``: same match, counts,
+    probabilities, tie-breaks and float arithmetic), without building one.
+
+    The tokens are concatenated, each trajectory preceded by a separator (``SEP``, a value no
+    token takes), into a list and a numpy buffer; every position is appended to the occurrence list
+    of the 1-, 2- and 3-gram ending there (inside one trajectory), and each new 2-/3-gram adds its
+    last token to its prefix's successors, so indexing costs ~3 dictionary operations per token
+    instead of ``max_depth`` (the trie; ~0.6 vs ~8.5 us per token here). A trie node is the set of
+    end positions of its string (its ``count``: their number), its children the tokens after them
+    (not a separator nor past the indexed end): for strings of up to 2 tokens the successors'
+    occurrence lists, longer ones grouped from the positions (Python, or numpy beyond ``_SMALL``).
+    The match: the longest suffix of up to 3 tokens with a successor (or a continued trigram
+    occurrence), then the trigram's occurrences filtered by the earlier tokens one length at a
+    time; reusing the last call's match while the index is unchanged, as ``SuffixTrie.match_from``.
+    Same streaming interface as the trie (``extend(tokens, frontier) -> frontier``, streams one
+    after another; ``remove(tokens)`` of the oldest, FIFO); removed positions leave the lists and
+    the buffer is compacted once they dominate. Tested against the trie on random inputs."""
+
+    _SMALL = 128         # occurrence sets up to this size are handled in Python, larger in numpy
+    _COMPACT = 4096      # compact once more than this many (and half the) positions are removed
+    SEP = _SEP
+
+    def __init__(self, max_depth: int = 64):
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = int(max_depth)
+        self.version = next(_VERSIONS)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._arr = np.full(1024, self.SEP, dtype=np.int64)   # [capacity]; first _n valid, the rest SEP
+        self._tk: list[int] = [self.SEP, self.SEP]             # the same as a list, plus one SEP past the end
+        self._n = 1                                            # position 0: a separator
+        self._occ: dict[tuple, list[int]] = {}                 # n-gram (n <= 3) -> end positions (ascending)
+        self._succ: dict[tuple, list[int]] = {}                # n-gram (n < 3) -> the tokens that follow it
+        self._npc: dict = {}                                   # key -> numpy copy of a long list
+        self._segs: deque[tuple[int, int]] = deque()           # [start, end) of complete-or-open streams
+        self._open = None                                      # id of the open stream (its segment is last)
+        self._dead = 0                                         # positions below this were removed
+        self.num_tokens = 0                                    # indexed tokens (the trie's root count)
+        self._memo: dict[tuple, tuple] = {}
+        self._memo_version = -1
+
+    # -- indexing ----------------------------------------------------------------------------------
+    def extend(self, tokens: Sequence[int], frontier=None):
+        """Index ``tokens`` as the continuation of the stream ``frontier`` (what the last call for
+        it returned; ``None``: a new stream, which closes any open one); returns the stream's new
+        frontier. Streams are indexed one after another. ``O(len(tokens))``."""
+        toks = [int(t) for t in tokens]
+        if _SEP in toks:
+            raise ValueError(f"CorpusIndex: token {_SEP} is reserved (the separator)")
+        self.version = next(_VERSIONS)
+        if frontier is None or frontier != self._open:
+            if frontier is not None:
+                raise ValueError("CorpusIndex.extend(): streams must be indexed one after another")
+            if self._tk[self._n - 1] != self.SEP:               # close the last stream
+                self._n += 1
+                self._tk.append(self.SEP)
+            self._open = next(_VERSIONS)
+            self._segs.append((self._n, self._n))
+        k, p0 = len(toks), self._n
+        if not k:
+            return self._open
+        if p0 + k + 2 > len(self._arr):
+            arr = np.full(max(2 * len(self._arr), p0 + k + 2), self.SEP, dtype=np.int64)
+            arr[:p0] = self._arr[:p0]
+            self._arr = arr
+        self._arr[p0:p0 + k] = toks
+        tk = self._tk
+        prev = tk[p0 - 1]
+        tk.pop()
+        tk += toks
+        tk.append(self.SEP)
+        occ, succ = self._occ, self._succ
+        sep = _SEP
+        a1 = tk[p0 - 2] if prev != sep else sep              # the two tokens before (sep: none)
+        a2 = prev
+        for p, t in enumerate(toks, p0):
+            key = (t,)
+            lst = occ.get(key)
+            if lst is None:
+                occ[key] = [p]
+            else:
+                lst.append(p)
+            if a2 != sep:
+                key = (a2, t)
+                lst = occ.get(key)
+                if lst is None:
+                    occ[key] = [p]
+                    self._add_succ((a2,), t)
+                else:
+                    lst.append(p)
+                if a1 != sep:
+                    key = (a1, a2, t)
+                    lst = occ.get(key)
+                    if lst is None:
+                        occ[key] = [p]
+                        self._add_succ((a1, a2), t)
+                    else:
+                        lst.append(p)
+            a1, a2 = a2, t
+        self._n = p0 + k
+        s, _ = self._segs[-1]
+        self._segs[-1] = (s, self._n)
+        self.num_tokens += k
+        return self._open
+
+    def add(self, tokens: Sequence[int]) -> None:
+        self.extend(tokens)
+
+    def _add_succ(self, key: tuple, t: int) -> None:
+        nxt = self._succ.get(key)
+        if nxt is None:
+            self._succ[key] = [t]
+        else:
+            nxt.append(t)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Undo the indexing of the oldest trajectory, which must be ``tokens``."""
+        toks = [int(t) for t in tokens]
+        if not self._segs:
+            raise ValueError("remove(): these tokens were not added to this index")
+        s, e = self._segs[0]
+        if self._tk[s:e] != toks:
+            raise ValueError("remove(): these tokens were not added to this index (as the oldest)")
+        self.version = next(_VERSIONS)
+        self._segs.popleft()
+        if not self._segs:
+            self._open = None
+        cnt: dict[tuple, int] = {}                # n-gram -> its end positions in the trajectory
+        for i in range(len(toks)):
+            for n in range(1, min(3, i + 1) + 1):
+                key = tuple(toks[i + 1 - n:i + 1])
+                cnt[key] = cnt.get(key, 0) + 1
+        occ, succ = self._occ, self._succ
+        for key, c in cnt.items():                # its positions are the first c of each list
+            lst = occ[key]
+            if c < len(lst):
+                del lst[:c]
+                continue
+            del occ[key]
+            if len(key) > 1:
+                nxt = succ[key[:-1]]
+                nxt.remove(key[-1])
+                if not nxt:
+                    del succ[key[:-1]]
+        self._npc.clear()
+        self.num_tokens -= len(toks)
+        self._dead = e
+        if not self._segs:
+            self._reset()
+        elif self._dead > self._COMPACT and self._dead > self._n - self._dead:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Re-index the live streams from position 1 (amortised ``O(1)`` per removed token); the
+        last one stays open under the same frontier."""
+        live, opened = self.trajectories(), self._open
+        self._reset()
+        for toks in live:
+            self.extend(toks)
+        self._open = opened
+
+    def trajectories(self) -> list[list[int]]:
+        """The indexed streams (oldest first; the last possibly partly indexed)."""
+        return [self._tk[s:e] for s, e in self._segs]
+
+    def to_trie(self) -> SuffixTrie:
+        """A :class:`SuffixTrie` holding the same streams (tests)."""
+        trie = SuffixTrie(self.max_depth)
+        for toks in self.trajectories():
+            trie.add(toks)
+        return trie
+
+    # -- the trie's nodes, computed from occurrence positions --------------------------------------
+    def _np(self, key, lst):
+        arr = self._npc.get(key)          # lists only grow between removals (which clear this)
+        if arr is None:
+            arr = self._npc[key] = np.array(lst, dtype=np.int64)
+        elif len(arr) != len(lst):
+            arr = self._npc[key] = np.concatenate((arr, np.array(lst[len(arr):], dtype=np.int64)))
+        return arr
+
+    def _continued(self, ends) -> bool:
+        """Whether some occurrence in ``ends`` (of a string longer than 2) continues."""
+        tk = self._tk
+        for x in ends[:8]:                       # usually the first ones do
+            if tk[x + 1] != _SEP:
+                return True
+        if len(ends) <= 8:
+            return False
+        if isinstance(ends, np.ndarray):
+            return bool((self._arr[ends[8:] + 1] != self.SEP).any())
+        return any(tk[x + 1] != _SEP for x in ends[8:])
+
+    def _ends(self, key):
+        """The occurrence list of an n-gram (live: read it, never change it)."""
+        return self._occ[key]
+
+    def _search(self, ctx: Sequence[int], hi: int):
+        """Longest ``m <= hi`` such that ``ctx[-m:]`` has a continued occurrence; ``(m, ends)``
+        with ``ends`` all its occurrences (ascending), ``(0, None)`` if none. Up to 3 tokens: an
+        n-gram with a successor; longer: the trigram's occurrences filtered by the earlier tokens
+        one length at a time."""
+        n = len(ctx)
+        if hi <= 0 or n == 0 or not self.num_tokens:
+            return 0, None
+        for d in range(min(hi, n, 3), 0, -1):
+            key = tuple(ctx[n - d:])
+            if d < 3:
+                if key in self._succ:
+                    return d, self._ends(key)
+                continue
+            lst = self._occ.get(key)
+            if lst is None:
+                continue
+            ends = self._np(key, lst) if len(lst) > self._SMALL else lst
+            if not self._continued(ends):
+                continue
+            best, best_ends = 3, ends
+            L, a, tk = 4, self._arr, self._tk
+            while L <= hi:
+                q = ctx[n - L]
+                if isinstance(ends, np.ndarray):
+                    ends = ends[a[ends - (L - 1)] == q]
+                    if len(ends) <= self._SMALL:
+                        ends = ends.tolist()
+                else:
+                    ends = [x for x in ends if tk[x - L + 1] == q]
+                if not len(ends) or not self._continued(ends):
+                    break
+                best, best_ends = L, ends
+                L += 1
+            return best, best_ends
+        return 0, None
+
+    def match_from(self, ctx: Sequence[int], max_len: int, state: list | None):
+        """``SuffixTrie.match_from``: ``(m, ends)`` of the longest continued suffix of ``ctx``
+        (``m <= max_len``), reusing ``state`` = ``[version, context length, m, ends, max_len]``:
+        with ``j`` tokens appended and the index unchanged the match is at most ``m + j`` long,
+        and exactly that if the old occurrences continue with the new tokens and then some."""
+        n = len(ctx)
+        hi = min(n, max_len, self.max_depth - 1)
+        if state is not None and state[0] == self.version and state[4] == max_len and 0 <= n - state[1]:
+            j, m0 = n - state[1], state[2]
+            if 3 < m0 + j <= hi and m0 > 0:           # (up to 3 tokens the search is a few lookups)
+                ends = state[3]
+                new = ctx[state[1]:]
+                if j:
+                    if len(ends) > self._SMALL:
+                        ends = np.asarray(ends)
+                        a = self._arr
+                        for i, t in enumerate(new, 1):
+                            ends = ends[a[ends + i] == t]
+                        ends = ends + j
+                        if len(ends) <= self._SMALL:
+                            ends = ends.tolist()
+                    else:
+                        tk, new = self._tk, list(new)
+                        ends = [x + j for x in ends if tk[x + 1:x + j + 1] == new]
+                if len(ends) and self._continued(ends):
+                    state[1:4] = [n, m0 + j, ends]
+                    return m0 + j, ends
+            hi = min(hi, m0 + j)
+        m, ends = self._search(ctx, hi)
+        if state is not None:
+            state[:] = [self.version, n, m, ends, max_len]
+        return m, ends
+
+    def _children(self, ends, depth: int):
+        """``{token: child ends}`` of the node of length ``depth`` whose occurrences end at
+        ``ends`` (ascending; separators and the indexed end have no continuation; dict order
+        unspecified): up to 2 tokens, the n-gram's successors' occurrence lists; longer, grouped."""
+        if depth < 3:
+            e = int(ends[0])
+            key = tuple(self._tk[e - depth + 1:e + 1])
+            return {t: self._ends(key + (t,)) for t in self._succ.get(key, ())}
+        if len(ends) > self._SMALL:
+            nxt = np.asarray(ends) + 1
+            toks = self._arr[nxt]
+            keep = toks != self.SEP
+            if not keep.all():
+                nxt, toks = nxt[keep], toks[keep]
+            if not len(nxt):
+                return {}
+            order = np.argsort(toks, kind="stable")
+            ts, ps = toks[order], nxt[order]
+            cut = np.flatnonzero(np.diff(ts)) + 1
+            starts = [0, *cut.tolist()]
+            stops = [*cut.tolist(), len(ts)]
+            tl = ts.tolist()
+            return {tl[i]: (ps[i:j] if j - i > self._SMALL else ps[i:j].tolist()) for i, j in zip(starts, stops)}
+        out: dict[int, list[int]] = {}
+        tk = self._tk
+        for x in ends:
+            t = tk[x + 1]
+            if t != _SEP:
+                lst = out.get(t)
+                if lst is None:
+                    out[t] = [x + 1]
+                else:
+                    lst.append(x + 1)
+        return out
+
+    def _expand(self, ends, depth: int, max_tokens: int, min_prob: float):
+        """``SuffixTrie.expand`` from the node ``ends`` at ``depth``."""
+        toks: list[int] = []
+        probs: list[float] = []
+        p, D, count = 1.0, self.max_depth, len(ends)
+        while len(toks) < max_tokens and depth < D:
+            ch = self._children(ends, depth)
+            if not ch:
+                break
+            best_t, best_c = None, -1
+            for t, e in ch.items():                    # ties: the smaller token, as SuffixTrie.expand
+                c = len(e)
+                if c > best_c or (c == best_c and t < best_t):
+                    best_t, best_c = t, c
+            q = p * best_c / count
+            if q < min_prob:
+                break
+            p = q
+            ends, count, depth = ch[best_t], best_c, depth + 1
+            toks.append(best_t)
+            probs.append(p)
+        return toks, probs
+
+    def _expand_tree(self, ends, depth: int, max_nodes: int, max_len: int, min_prob: float):
+        """``SuffixTrie.expand_tree`` from the node ``ends`` at ``depth`` (same heap keys)."""
+        heap: list = []
+        seq = itertools.count()
+        D = self.max_depth
+
+        def push(e, d: int, parent: int, p: float, plen: int) -> None:
+            if plen >= max_len or d >= D:
+                return
+            c = len(e)
+            for t, ce in self._children(e, d).items():
+                q = p * len(ce) / c
+                if q >= min_prob:
+                    heapq.heappush(heap, (-q, t, next(seq), ce, d + 1, parent, plen + 1))
+
+        toks: list[int] = []
+        probs: list[float] = []
+        parents: list[int] = []
+        push(ends, depth, -1, 1.0, 0)
+        while heap and len(toks) < max_nodes:
+            nq, t, _, ce, d, parent, plen = heapq.heappop(heap)
+            parents.append(parent)
+            toks.append(t)
+            probs.append(-nq)
+            if len(toks) < max_nodes:
+                push(ce, d, len(toks) - 1, -nq, plen)
+        return toks, probs, parents
+
+    def draft(self, context: Sequence[int], cfg: DrafterConfig, budget: int | None = None,
+              source: str = "", state: list | None = None) -> Draft:
+        """``SuffixTrie.draft`` of a trie holding the indexed streams, bitwise."""
+        budget = cfg.budget if budget is None else budget
+        m, ends = self.match_from(context, max(1, self.max_depth - budget), state)
+        if m < cfg.min_match:
+            return Draft()
+        cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
+        if cap <= 0:
+            return Draft()
+        if self._memo_version != self.version or len(self._memo) > 4096:
+            self._memo.clear()
+            self._memo_version = self.version
+        key = (int(ends[0]), m, cap, budget, cfg.tree, cfg.min_token_prob)   # first end + length: the string
+        hit = self._memo.get(key)
+        if hit is None:
+            if cfg.tree:
+                hit = self._expand_tree(ends, m, budget, cap, cfg.min_token_prob)
+            else:
+                hit = (*self._expand(ends, m, cap, cfg.min_token_prob), None)
+            self._memo[key] = hit
+        toks, probs, parents = hit
+        return Draft(list(toks), list(probs), m, float(sum(probs)), source if toks else "",
+                     None if parents is None else list(parents))
+
+
 class SuffixDrafter:
     """Drafts from completed trajectories (per group and global) and the request's context.
 
@@ -573,8 +959,8 @@ class SuffixDrafter:
 
     def __init__(self, config: DrafterConfig | None = None):
         self.cfg = config or DrafterConfig()
-        self.groups: dict[Hashable, SuffixTrie] = {}
-        self.glob = SuffixTrie(self.cfg.max_depth)
+        self.groups: dict[Hashable, CorpusIndex] = {}
+        self.glob = CorpusIndex(self.cfg.max_depth)
         self._fifo: deque[tuple[Hashable, tuple[int, ...]]] = deque()
         self.indexed_tokens = 0
         # queued trajectories: [tokens, group, next position, group-trie frontier, global frontier]
@@ -586,9 +972,9 @@ class SuffixDrafter:
         return sum(len(j[0]) - j[2] for j in self._queue)
 
     def queue_trajectory(self, tokens: Sequence[int], group: Hashable = None) -> None:
-        """Queue a completed trajectory for :meth:`index_pending` (indexing costs ``O(len *
-        max_depth)`` dictionary operations, ~0.1 s for 8K tokens at depth 32 in Python: a caller
-        on a serving loop spreads it over many calls instead of stalling one)."""
+        """Queue a completed trajectory for :meth:`index_pending` (indexing costs ~0.6 us per token
+        and index in Python, ~10 ms for 8K tokens into the group and global indexes: a caller on a
+        serving loop still spreads it over calls)."""
         toks = tuple(int(t) for t in tokens)
         if toks:
             self._queue.append([toks, group, 0, None, None])
@@ -613,7 +999,7 @@ class SuffixDrafter:
             n = min(len(toks) - pos, slice_tokens if max_tokens is None else min(slice_tokens, max_tokens - done))
             piece = toks[pos:pos + n]
             if group is not None:
-                job[3] = self.groups.setdefault(group, SuffixTrie(self.cfg.max_depth)).extend(piece, job[3])
+                job[3] = self.groups.setdefault(group, CorpusIndex(self.cfg.max_depth)).extend(piece, job[3])
             if use_glob or group is None:
                 job[4] = self.glob.extend(piece, job[4])
             job[2] = pos + n
@@ -641,7 +1027,7 @@ class SuffixDrafter:
         if g is not None:
             trie = self.groups[g]
             trie.remove(toks)
-            if trie.count[0] == 0:
+            if trie.num_tokens == 0:
                 del self.groups[g]
         if self.cfg.use_global or g is None:
             self.glob.remove(toks)
