@@ -366,7 +366,69 @@ class SuffixTrie:
                      None if parents is None else list(parents))
 
 
-class ContextIndex:
+class _OccurrenceExpansion:
+    """``SuffixTrie.expand`` / ``expand_tree`` over a node given by its occurrence end positions
+    (``ends``, ``count`` = its trie count): shared by :class:`ContextIndex` and
+    :class:`CorpusIndex`, which define ``_kids(ends, depth) -> {token: child ends}``."""
+
+    max_depth: int
+
+    def _kids(self, ends, depth: int) -> dict:
+        raise NotImplementedError
+
+    def _expand(self, ends, count: int, depth: int, max_tokens: int, min_prob: float):
+        """``SuffixTrie.expand`` from the node (``ends``, ``count``) at ``depth``."""
+        toks: list[int] = []
+        probs: list[float] = []
+        p, D = 1.0, self.max_depth
+        while len(toks) < max_tokens and depth < D:
+            ch = self._kids(ends, depth)
+            if not ch:
+                break
+            best_t, best_c = None, -1
+            for t, e in ch.items():                    # ties: the smaller token, as SuffixTrie.expand
+                c = len(e)
+                if c > best_c or (c == best_c and t < best_t):
+                    best_t, best_c = t, c
+            q = p * best_c / count
+            if q < min_prob:
+                break
+            p = q
+            ends, count, depth = ch[best_t], best_c, depth + 1
+            toks.append(best_t)
+            probs.append(p)
+        return toks, probs
+
+    def _expand_tree(self, ends, count: int, depth: int, max_nodes: int, max_len: int, min_prob: float):
+        """``SuffixTrie.expand_tree`` from the node (``ends``, ``count``) at ``depth`` (same heap
+        keys: probability, token, push order)."""
+        heap: list = []
+        seq = itertools.count()
+        D = self.max_depth
+
+        def push(e, c: int, d: int, parent: int, p: float, plen: int) -> None:
+            if plen >= max_len or d >= D:
+                return
+            for t, ce in self._kids(e, d).items():
+                q = p * len(ce) / c
+                if q >= min_prob:
+                    heapq.heappush(heap, (-q, t, next(seq), ce, d + 1, parent, plen + 1))
+
+        toks: list[int] = []
+        probs: list[float] = []
+        parents: list[int] = []
+        push(ends, count, depth, -1, 1.0, 0)
+        while heap and len(toks) < max_nodes:
+            nq, t, _, ce, d, parent, plen = heapq.heappop(heap)
+            parents.append(parent)
+            toks.append(t)
+            probs.append(-nq)
+            if len(toks) < max_nodes:
+                push(ce, len(ce), d, len(toks) - 1, -nq, plen)
+        return toks, probs, parents
+
+
+class ContextIndex(_OccurrenceExpansion):
     """One request's own context (prompt, then accepted tokens), drafted from as a depth-bounded
     suffix trie of it would be, without building one.
 
@@ -456,6 +518,9 @@ class ContextIndex:
                 ends.append(x)
         return best, ends
 
+    def _kids(self, ends, depth: int) -> dict:
+        return self._children(ends, len(self.tokens))
+
     def _children(self, ends, n: int):
         """Children of the node whose occurrences end at ``ends`` (ascending; numpy or list):
         ``{token: child ends}`` (ascending ends; dict order unspecified: callers break ties by
@@ -513,59 +578,8 @@ class ContextIndex:
         toks, probs = self._expand(ends, count0, m, cap, cfg.min_token_prob)
         return Draft(toks, probs, m, float(sum(probs)), source if toks else "")
 
-    def _expand(self, ends, count: int, depth: int, max_tokens: int, min_prob: float):
-        """``SuffixTrie.expand`` from the node (``ends``, ``count``) at ``depth``."""
-        toks: list[int] = []
-        probs: list[float] = []
-        p, n, D = 1.0, len(self.tokens), self.max_depth
-        while len(toks) < max_tokens and depth < D:
-            ch = self._children(ends, n)
-            if not ch:
-                break
-            best_t, best_c = None, -1
-            for t, e in ch.items():                    # ties: the smaller token, as SuffixTrie.expand
-                c = len(e)
-                if c > best_c or (c == best_c and t < best_t):
-                    best_t, best_c = t, c
-            q = p * best_c / count
-            if q < min_prob:
-                break
-            p = q
-            ends, count, depth = ch[best_t], best_c, depth + 1
-            toks.append(best_t)
-            probs.append(p)
-        return toks, probs
 
-    def _expand_tree(self, ends, count: int, depth: int, max_nodes: int, max_len: int, min_prob: float):
-        """``SuffixTrie.expand_tree`` from the node (``ends``, ``count``) at ``depth`` (same heap
-        keys: probability, token, push order)."""
-        heap: list = []
-        seq = itertools.count()
-        n, D = len(self.tokens), self.max_depth
-
-        def push(e, c: int, d: int, parent: int, p: float, plen: int) -> None:
-            if plen >= max_len or d >= D:
-                return
-            for t, ce in self._children(e, n).items():
-                q = p * len(ce) / c
-                if q >= min_prob:
-                    heapq.heappush(heap, (-q, t, next(seq), ce, d + 1, parent, plen + 1))
-
-        toks: list[int] = []
-        probs: list[float] = []
-        parents: list[int] = []
-        push(ends, count, depth, -1, 1.0, 0)
-        while heap and len(toks) < max_nodes:
-            nq, t, _, ce, d, parent, plen = heapq.heappop(heap)
-            parents.append(parent)
-            toks.append(t)
-            probs.append(-nq)
-            if len(toks) < max_nodes:
-                push(ce, len(ce), d, len(toks) - 1, -nq, plen)
-        return toks, probs, parents
-
-
-class CorpusIndex:
+class CorpusIndex(_OccurrenceExpansion):
     """Completed trajectories (a group's or all of them), drafted from exactly as a
     ``SuffixTrie(max_depth)`` holding them would be (``SuffixTrie.draft``: same match, counts,
     probabilities, tie-breaks and float arithmetic), without building one.
@@ -871,56 +885,8 @@ class CorpusIndex:
                     lst.append(x + 1)
         return out
 
-    def _expand(self, ends, depth: int, max_tokens: int, min_prob: float):
-        """``SuffixTrie.expand`` from the node ``ends`` at ``depth``."""
-        toks: list[int] = []
-        probs: list[float] = []
-        p, D, count = 1.0, self.max_depth, len(ends)
-        while len(toks) < max_tokens and depth < D:
-            ch = self._children(ends, depth)
-            if not ch:
-                break
-            best_t, best_c = None, -1
-            for t, e in ch.items():                    # ties: the smaller token, as SuffixTrie.expand
-                c = len(e)
-                if c > best_c or (c == best_c and t < best_t):
-                    best_t, best_c = t, c
-            q = p * best_c / count
-            if q < min_prob:
-                break
-            p = q
-            ends, count, depth = ch[best_t], best_c, depth + 1
-            toks.append(best_t)
-            probs.append(p)
-        return toks, probs
-
-    def _expand_tree(self, ends, depth: int, max_nodes: int, max_len: int, min_prob: float):
-        """``SuffixTrie.expand_tree`` from the node ``ends`` at ``depth`` (same heap keys)."""
-        heap: list = []
-        seq = itertools.count()
-        D = self.max_depth
-
-        def push(e, d: int, parent: int, p: float, plen: int) -> None:
-            if plen >= max_len or d >= D:
-                return
-            c = len(e)
-            for t, ce in self._children(e, d).items():
-                q = p * len(ce) / c
-                if q >= min_prob:
-                    heapq.heappush(heap, (-q, t, next(seq), ce, d + 1, parent, plen + 1))
-
-        toks: list[int] = []
-        probs: list[float] = []
-        parents: list[int] = []
-        push(ends, depth, -1, 1.0, 0)
-        while heap and len(toks) < max_nodes:
-            nq, t, _, ce, d, parent, plen = heapq.heappop(heap)
-            parents.append(parent)
-            toks.append(t)
-            probs.append(-nq)
-            if len(toks) < max_nodes:
-                push(ce, d, len(toks) - 1, -nq, plen)
-        return toks, probs, parents
+    def _kids(self, ends, depth: int) -> dict:
+        return self._children(ends, depth)
 
     def draft(self, context: Sequence[int], cfg: DrafterConfig, budget: int | None = None,
               source: str = "", state: list | None = None) -> Draft:
@@ -939,9 +905,9 @@ class CorpusIndex:
         hit = self._memo.get(key)
         if hit is None:
             if cfg.tree:
-                hit = self._expand_tree(ends, m, budget, cap, cfg.min_token_prob)
+                hit = self._expand_tree(ends, len(ends), m, budget, cap, cfg.min_token_prob)
             else:
-                hit = (*self._expand(ends, m, cap, cfg.min_token_prob), None)
+                hit = (*self._expand(ends, len(ends), m, cap, cfg.min_token_prob), None)
             self._memo[key] = hit
         toks, probs, parents = hit
         return Draft(list(toks), list(probs), m, float(sum(probs)), source if toks else "",
