@@ -34,7 +34,6 @@ go to ``--out`` (default docs/benchmarks/war.json), the plot next to it.
 from __future__ import annotations
 
 import argparse
-import gzip
 import itertools
 import json
 import logging
@@ -127,16 +126,14 @@ def part_drafters_sampled(args) -> list[dict]:
     from megatron_harts.rollout.engines import EmbeddedServer
     from megatron_harts.rollout.war.replay import sampled_streams
 
-    from megatron_harts.rollout.war.replay import Stream
+    from megatron_harts.rollout.war.replay import load_streams
 
     t0 = time.perf_counter()
     if args.load_streams:                      # the streams of an earlier run (--save-streams)
         try:
-            streams = [Stream(d["tokens"], d["loss_mask"], d["group"], int(d["step"]), d["traj_id"])
-                       for d in map(json.loads, (gzip.open(args.load_streams, "rt") if args.load_streams.endswith(".gz")
-                                                 else open(args.load_streams)))]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            fail(f"--load-streams {args.load_streams}: {type(e).__name__}: {e}")
+            streams = load_streams(args.load_streams)
+        except ValueError as e:
+            fail(f"--load-streams: {e}")
     else:
         if not args.model_path or not (Path(args.model_path) / "config.json").is_file():
             fail(f"--parts drafters_sampled needs --model-path to a checkpoint with config.json (or --load-streams), "

@@ -43,6 +43,12 @@ def main(argv=None) -> int:
     p.add_argument("--queued", action="store_true", help="index finished trajectories as the feed does (timed)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
+    known = {"ref_tree", "ours_tree", "ref_chain", "ours_chain", "sglang_ngram"}
+    bad = [m for m in args.methods.split(",") if m not in known]
+    if bad:
+        p.error(f"--methods: unknown {', '.join(bad)} (known: {', '.join(sorted(known))})")
+    if args.batch < 1 or args.draft_tokens < 2 or args.repeats < 1:
+        p.error("--batch and --repeats must be >= 1 and --draft-tokens >= 2 (the root and one draft token)")
 
     import numpy as np
 
@@ -50,7 +56,10 @@ def main(argv=None) -> int:
     from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus, draft_config, sglang_site
     from megatron_harts.rollout.war.suffix_ref import RefSuffixCorpus, ref_gather_draft_inputs
 
-    streams = load_streams(args.streams)
+    try:
+        streams = load_streams(args.streams)
+    except ValueError as e:
+        p.error(f"--streams: {e}")
     n = args.draft_tokens
 
     def make(name: str):

@@ -181,3 +181,23 @@ def test_corpus_index_draft_equals_a_trie_of_the_trajectories(trajs, pieces, dep
         query += pieces[0]
         check(1)
     assert idx.num_tokens == trie.count[0]
+
+
+def test_bench_war_steps_rejects_bad_streams_and_methods_with_one_line(tmp_path):
+    """A missing file, a record without a field, non-JSON and an unknown method: one line naming
+    the file, line and field, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war_steps.py"
+    (tmp_path / "nofield.jsonl").write_text('{"tokens": [1, 2], "group": "t0", "step": 0, "traj_id": "a"}\n')
+    (tmp_path / "notjson.jsonl").write_text('{"tokens": [1, 2], "loss_mask": [0, 1], "group": "t0", "step": 0, '
+                                            '"traj_id": "a"}\nnot json\n')
+    cases = [(["--streams", str(tmp_path / "missing.jsonl")], "missing.jsonl: cannot read"),
+             (["--streams", str(tmp_path / "nofield.jsonl")], "nofield.jsonl:1: field 'loss_mask' missing"),
+             (["--streams", str(tmp_path / "notjson.jsonl")], "notjson.jsonl:2: not JSON"),
+             (["--methods", "ours_tree,bogus"], "--methods: unknown bogus")]
+    for argv, want in cases:
+        r = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert want in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)

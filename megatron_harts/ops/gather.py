@@ -28,14 +28,10 @@ def rounds_grad_to_compact(gy: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     rows' gradients summed in fp32 per distinct token."""
     gx = gy.index_select(0, plan.out_index)
     if plan.replay_pos.numel():
-        U = plan.replay_rows.shape[0]
-        if plan.replay_gather is None:
-            acc = gx.index_select(0, plan.replay_rows).float()
-            acc.index_add_(0, plan.replay_slot, gy.index_select(0, plan.replay_pos).float())
-        else:     # the same values in one gather: [U owned rows (= gx[replay_rows]); P replayed rows]
-            both = gy.index_select(0, plan.replay_gather).float()
-            acc = both[:U]
-            acc.index_add_(0, plan.replay_slot, both[U:])
+        # one gather: [U owned rows of the replayed tokens (= gx[replay_rows]); P replayed rows]
+        both = gy.index_select(0, plan.replay_gather).float()
+        acc = both[:plan.replay_rows.shape[0]]
+        acc.index_add_(0, plan.replay_slot, both[plan.replay_rows.shape[0]:])
         gx.index_copy_(0, plan.replay_rows, acc.to(gx.dtype))
     return gx
 

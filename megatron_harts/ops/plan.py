@@ -67,7 +67,7 @@ class ChunkPlan:
     chunk_size: int
     num_sequences: int
     num_replay_tokens: int
-    replay_gather: torch.Tensor | None = None
+    replay_gather: torch.Tensor
 
     @property
     def num_rounds(self) -> int:

@@ -137,12 +137,31 @@ def sampled_streams(engine, family: str = "code_repair", n_tasks: int = 6, sampl
 
 
 def load_streams(path: str) -> list[Stream]:
-    """Streams saved by ``scripts/bench_war.py --save-streams`` (JSONL, ``.gz`` allowed)."""
+    """Streams saved by ``scripts/bench_war.py --save-streams`` (JSONL, ``.gz`` allowed). A missing
+    or unreadable file, or a line that is not such a record, raises ``ValueError`` naming the file,
+    the line and the field."""
     import gzip
     import json
 
-    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
-        return [Stream(d["tokens"], d["loss_mask"], d["group"], int(d["step"]), d["traj_id"]) for d in map(json.loads, f)]
+    out = []
+    try:
+        with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+            for i, line in enumerate(f, 1):
+                try:
+                    d = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{path}:{i}: not JSON ({e})") from None
+                for key in ("tokens", "loss_mask", "group", "step", "traj_id"):
+                    if not isinstance(d, dict) or key not in d:
+                        raise ValueError(f"{path}:{i}: field {key!r} missing (a --save-streams record has "
+                                         f"tokens, loss_mask, group, step, traj_id)")
+                try:
+                    out.append(Stream(d["tokens"], d["loss_mask"], d["group"], int(d["step"]), d["traj_id"]))
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{path}:{i}: bad record: {e}") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the streams: {e.strerror or e}") from None
+    return out
 
 
 # ----------------------------------------------------------------------------------- methods
