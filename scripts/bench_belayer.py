@@ -352,13 +352,14 @@ def bench_engine(args, workdir, device, save=None):
     try:
         ref, sp = None, None
         for seed in range(args.seed, args.seed + 5):    # a seed whose generation runs to the budget (no <eos>)
-            sp = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=[], seed=seed)
+            sp = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=[], seed=seed,
+                                temperature=args.temperature)
             ref = sup.engine(0).generate(prompt, sp)
             if len(ref.output_ids) >= args.max_new_tokens:
                 break
             log.warning("seed %d: the reference stopped after %d tokens (%s); trying the next", seed,
                         len(ref.output_ids), ref.finish_reason)
-        meta["seed"], meta["reference_tokens"] = sp.seed, len(ref.output_ids)
+        meta["seed"], meta["temperature"], meta["reference_tokens"] = sp.seed, sp.temperature, len(ref.output_ids)
         phase("reference: %d tokens in %.2f s (seed %d)", len(ref.output_ids), ref.latency_s, sp.seed)
         for i, (mode, target) in enumerate(steps):
             if sup.worker(0) is None:
@@ -844,6 +845,9 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-gap-s", type=float, default=0.05, help="simulated generation time between env turns")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="engine part: the killed request's temperature (0: greedy, so the resumed output can be "
+                        "compared with the reference without SGLang's --enable-deterministic-inference)")
     p.add_argument("--kill", choices=["group", "child"], default="group",
                    help="SIGKILL the server's process group, or only SGLang's scheduler child (found by its process "
                         "title sglang::scheduler; the embedded server has no children: its group)")

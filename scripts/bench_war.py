@@ -41,6 +41,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -604,6 +605,123 @@ def part_h200(args, sink) -> None:
             if srv is not None:
                 srv.stop()
 
+    def greedy_check(live: dict, n: int = 8, tokens: int = 96) -> dict:
+        """Lossless speculation, token by token: the first turn of ``n`` low-load episodes decoded
+        greedily (temperature 0) on every server; per variant, how many outputs equal the
+        no-speculation server's and the first differing position of those that do not (bf16: a
+        verify pass scores several tokens at once and can flip a near-tie, so a late difference
+        is rounding, an early one a bug)."""
+        from megatron_harts.rollout.envs import make_env
+        from megatron_harts.rollout.tokenizer import BOS, ByteTokenizer
+        from megatron_harts.rollout.types import SamplingParams
+
+        tok = ByteTokenizer()
+        prompts = []
+        for t in range(n):
+            env = make_env(args.family, t % max(1, args.low_tasks), seed=t)
+            try:
+                prompts.append([tok.token_id(BOS)] + tok.encode(env.prompt()))
+            finally:
+                env.close()
+        sp = SamplingParams(max_new_tokens=tokens, temperature=0.0, stop_token_ids=[])
+        outs = {v: [srv.engine(timeout=timeout()).generate(p_, sp).output_ids for p_ in prompts]
+                for v, srv in live.items()}
+        ref = outs.get("none")
+        if ref is None:
+            return {"skipped": "no 'none' server to compare with"}
+        res = {}
+        for v, o in outs.items():
+            if v == "none":
+                continue
+            diffs = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b)
+                          else min(len(a), len(b))) for a, b in zip(o, ref)]
+            res[v] = {"equal": sum(d is None for d in diffs), "of": len(diffs),
+                      "first_diff": [d for d in diffs if d is not None]}
+        return res
+
+    def low_together() -> None:
+        """``--low-reps``: every low-load variant's server started at once (each ``--mem-fraction`` /
+        number of variants: the small model's pools fit side by side, unlike the high-load replicas'),
+        one unmeasured step per server (corpora, kernels), then ``--low-reps`` measured steps per
+        variant with the variants' order rotated every rep, one server stepping at a time; one row
+        per variant: medians, spread and every rep; then the greedy losslessness check."""
+        conc = args.low_tasks * args.group
+        mem = round(args.mem_fraction / len(variants), 4)
+        got: dict = {}
+
+        def one(v: str) -> None:
+            try:
+                if v == "ngram":
+                    bg[-1].join()
+                    if not ngram_state.get("ok"):
+                        raise RuntimeError(f"NgramCorpus JIT build failed: {str(ngram_state.get('error'))[-300:]}")
+                got[v] = server(spec[v], f"low_{v}", logs / f"feed_{v}.jsonl" if v == "suffix" else None, mem=mem)
+            except Exception as e:                          # noqa: BLE001 - recorded as the variant's row
+                got[v] = e
+        ths = [threading.Thread(target=one, args=(v,), daemon=True) for v in variants]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        live = {v: got[v] for v in variants if isinstance(got.get(v), SGLangServer)}
+        for v in variants:
+            if not isinstance(got.get(v), SGLangServer):
+                sink.add(dict(tag, load="low", policy=v, error=f"start: {type(got.get(v)).__name__}: "
+                                                               f"{str(got.get(v))[:1000]}"))
+        try:
+            wait_bg()
+            feeds = {v: TrajectoryFeed(logs / f"feed_{v}.jsonl") for v in live}
+            first = {}
+            for v, srv in live.items():
+                first[v] = _step([srv.engine(timeout=timeout())], None, args, conc, args.low_tasks, args.group,
+                                 feed=feeds[v], strict=False)
+                steps_low.append(first[v]["makespan_s"])
+                clock.phase("low %s step 1: %s", v, first[v])
+            reps: dict[str, list[dict]] = {v: [] for v in live}
+            order = list(live)
+            for k in range(args.low_reps):
+                if clock.left() < len(order) * est(steps_low, 45.0) + 60:
+                    clock.phase("deadline: %d measured reps instead of %d", k, args.low_reps)
+                    break
+                for v in order[k % len(order):] + order[:k % len(order)]:
+                    r = _step([live[v].engine(timeout=timeout())], None, args, conc, args.low_tasks, args.group,
+                              feed=feeds[v], strict=False)
+                    steps_low.append(r["makespan_s"])
+                    reps[v].append(r)
+                    clock.phase("low %s rep %d: %s", v, k, r)
+            check = {}
+            try:
+                check = greedy_check(live)
+                clock.phase("greedy check: %s", check)
+            except Exception as e:                          # noqa: BLE001
+                log.exception("greedy check failed")
+                check = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            for v, rs in reps.items():
+                if not rs:
+                    sink.add(dict(tag, load="low", policy=v, skipped="deadline"))
+                    continue
+                med = lambda key: statistics.median(x[key] for x in rs if x.get(key) is not None) \
+                    if any(x.get(key) is not None for x in rs) else None          # noqa: E731
+                try:
+                    acc = _sglang_accept(live[v].url)
+                except Exception as e:                      # noqa: BLE001
+                    acc = None
+                    log.warning("/server_info: %s", e)
+                sink.add(dict(tag, load="low", concurrency=conc, policy=v, accept_len=acc,
+                              device=dev + f", {len(live)} servers x mem {mem} started together, one stepping at a time",
+                              startup_s=round(live[v].startup_s or 0, 1), step1=first[v], reps=len(rs),
+                              tokens_per_s=round(med("tokens_per_s"), 1), makespan_s=round(med("makespan_s"), 2),
+                              cache_hit=round(med("cache_hit"), 4), spec_accept_len=med("spec_accept_len"),
+                              spread={"tokens_per_s": [min(x["tokens_per_s"] for x in rs),
+                                                       max(x["tokens_per_s"] for x in rs)],
+                                      "makespan_s": [min(x["makespan_s"] for x in rs), max(x["makespan_s"] for x in rs)]},
+                              rep_rows=rs, greedy_check=check.get(v) if v != "none" else None))
+                clock.phase("row low %s: %s", v, {k_: sink.rows[-1].get(k_) for k_ in
+                                                  ("tokens_per_s", "makespan_s", "spec_accept_len", "spread")})
+        finally:
+            for srv in live.values():
+                srv.stop()
+
     beside: dict[str, SGLangServer] = {}
 
     def start_parallel(n_rep: int) -> list[SGLangServer]:
@@ -750,6 +868,11 @@ def part_h200(args, sink) -> None:
             _kill_live_servers()
         threading.Thread(target=watchdog, daemon=True).start()
 
+    if args.low_reps:
+        if policies:
+            fail("--low-reps measures the low-load variants alone: give --policies '' (no high-load step)")
+        low_together()
+        variants = []
     if "suffix" in variants:
         low_alone("suffix")
     if policies or "none" in variants:
@@ -915,6 +1038,10 @@ def main(argv=None) -> int:
                         "beside the replicas and run its low-load steps before the high-load policies (0: after)")
     p.add_argument("--low-variants", default="suffix,ngram,none",
                    help="h200 low load: speculation variants (suffix = HARTS_SUFFIX, ngram = SGLang NGRAM, none)")
+    p.add_argument("--low-reps", type=int, default=0,
+                   help="h200, low load only (--policies ''): start the --low-variants servers together and measure "
+                        "this many steps per variant, alternated, plus a greedy losslessness check (0: the older "
+                        "one-server-at-a-time order)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="h200: keep SGLang's CUDA graphs (default: --disable-cuda-graph, as the H200 RL runs)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=128, help="h200 with --cuda-graph: largest captured batch")
@@ -935,6 +1062,8 @@ def main(argv=None) -> int:
         fail(f"--budgets must be comma-separated integers, got {args.budgets!r}")
     if any(b < 1 for b in args.budgets):
         fail("--budgets must be >= 1")
+    if args.low_reps < 0:
+        fail(f"--low-reps must be >= 0, got {args.low_reps}")
     args.policies = [x for x in args.policies.split(",") if x]
     parts = [x for x in args.parts.split(",") if x]
     for x in parts:
