@@ -55,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -249,6 +250,14 @@ def _warmup_fn(args):
         for n in (args.prompt_len + args.kill_at, args.prompt_len):
             ids = [3] + [50 + (7 * i) % 200 for i in range(n - 1)]
             engine.generate(ids, SamplingParams(max_new_tokens=4, stop_token_ids=[], seed=12345))
+        # prefix-cache hits, alone and 4 at once (an agent's next turn): on the H200 the first batched
+        # extend over cached GDN states stalled SGLang's scheduler for > 30 s (kernel compile/tuning)
+        base = [3] + [60 + (11 * i) % 190 for i in range(args.prompt_len + args.kill_at - 1)]
+        sp = SamplingParams(max_new_tokens=4, stop_token_ids=[], seed=12345)
+        engine.generate(base, sp)
+        engine.generate(base + [70, 71, 72], sp)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda j: engine.generate(base + [80 + j] * (5 + 7 * j), sp), range(4)))
     return warm
 
 
@@ -741,12 +750,14 @@ def bench_overhead(args, workdir, device):
     every = args.overhead_stream_interval
     start = _server_factory(args, workdir, state={"engine_args": f"{args.engine_args} --stream-interval {every}"
                                                   if every > 1 else args.engine_args})
-    cfg = RolloutConfig(group_size=4, max_new_tokens=16, max_concurrency=8, seed=0)
+    cfg = RolloutConfig(group_size=4, max_new_tokens=16, max_concurrency=8, seed=0,
+                        temperature=args.overhead_temperature)
     tasks = list(range(4))
     mk = lambda t: make_env("code_repair", int(t), seed=0, max_turns=3)     # noqa: E731
     warm = _warmup_fn(args) if (args.warmup == "on" or (args.warmup == "auto" and args.engine == "sglang")) else None
+    # no faults are injected here: a long grace keeps a slow first compile from counting as a failure
     sup = Supervisor(start, args.overhead_model_path, "v0", num_active=1, num_shadows=0, health_interval_s=0.5,
-                     warmup=warm).start()
+                     health_grace_s=120.0, warmup=warm).start()
     kinds = ("plain", "engine", "env", "belayer")
     times = {k: [] for k in kinds}
     crit = {k: [] for k in kinds}
@@ -779,16 +790,23 @@ def bench_overhead(args, workdir, device):
         plain_e, res_e = HttpEngine(url), ResumableEngine(sup, 0)
         prompt = [1] + [40 + i % 50 for i in range(63)]
         pairs_e = []
+        # equal outputs are expected where sampling is reproducible: greedy, the embedded engine, or
+        # SGLang with deterministic inference (without it SGLang does not honour sampling_seed)
+        greedy = args.overhead_temperature == 0
+        same_expected = greedy or args.engine == "embedded" or "--enable-deterministic-inference" in args.engine_args
+        differ = 0
         for i in tqdm(range(args.overhead_reps * 8), desc="engine requests"):
-            sp = SamplingParams(max_new_tokens=16, stop_token_ids=[], seed=i)
+            sp = SamplingParams(max_new_tokens=16, stop_token_ids=[], seed=None if greedy else i,
+                                temperature=args.overhead_temperature)
             t0 = time.monotonic()
             a = plain_e.generate(prompt, sp)
             t1 = time.monotonic()
             b = res_e.generate(prompt, sp)
             t2 = time.monotonic()
-            if a.output_ids != b.output_ids:
-                raise RuntimeError("streamed and plain generations differ")
+            differ += a.output_ids != b.output_ids
             pairs_e.append(100 * ((t2 - t1) - (t1 - t0)) / (t1 - t0))
+        if differ and same_expected:
+            raise RuntimeError(f"streamed and plain generations differ ({differ} of {len(pairs_e)} requests)")
     finally:
         sup.close()
     p = statistics.median(times["plain"])
@@ -828,6 +846,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cold-reps", type=int, default=3)
     p.add_argument("--overhead-reps", type=int, default=4)
+    p.add_argument("--overhead-temperature", type=float, default=1.0,
+                   help="overhead part: sampling temperature of the rollouts (0: greedy, no per-request seeds; on the "
+                        "H200 SGLang 0.5.17 stalled its scheduler for ~80 s compiling the seeded sampler for new "
+                        "batch sizes)")
     p.add_argument("--overhead-stream-interval", type=int, default=8,
                    help="overhead part: the server's --stream-interval (tokens per streamed event; 1: an event per "
                         "token, the setting of the rows recorded before 2026-12-02 18:00)")

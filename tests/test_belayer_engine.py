@@ -124,7 +124,7 @@ def test_engine_side_abort_resumes_and_a_dropped_token_is_caught(sup, broken):
     rid = f"abort-{broken}"
 
     def abort():
-        sup.engine(0).abort(f"{rid}.0")
+        sup.engine(0).abort(f"{rid}.0~")
     gen, rec, _, _ = _run_and_fault(eng, sp, rid, abort)
     assert rec.segments[0].error and "aborted" in rec.segments[0].error
     if broken is None:

@@ -29,6 +29,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -154,6 +155,7 @@ class AgentLoop:
         self._down_until = [0.0] * len(self.engines)     # monotonic time until which an engine is skipped
         self._lock = threading.Lock()
         self._rid = itertools.count()
+        self._rid_tag = uuid.uuid4().hex[:8]
         self._stop_ids = [tokenizer.token_id(END_CALL), tokenizer.token_id(EOS)]
 
     # -- one model turn + environment step -------------------------------------------------------
@@ -177,7 +179,10 @@ class AgentLoop:
             tried.add(i)
             engine = self.engines[i]
             try:
-                gen = engine.generate(ep.tokens, sampling, rid=f"{ep.traj_id}#{len(ep.turns)}-{next(self._rid)}")
+                # prefix-free: SGLang's scheduler aborts every request whose rid *starts with* the aborted
+                # one ("t0/0#0-1" would take "t0/0#0-10" with it); the loop tag keeps loops apart
+                gen = engine.generate(ep.tokens, sampling,
+                                      rid=f"{ep.traj_id}#{len(ep.turns)}-{next(self._rid)}~{self._rid_tag}")
                 if gen.finish_reason == "abort":
                     raise EngineError(f"{engine.name}: request aborted by the engine")
                 if len(gen.logprobs) != len(gen.output_ids):

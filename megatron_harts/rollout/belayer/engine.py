@@ -647,7 +647,7 @@ class ResumableEngine:
                 seg.tokens += len(ids)
                 self.log.append(rec, ids, lps)
 
-            sub_rid = f"{rid}.{attempt}"
+            sub_rid = f"{rid}.{attempt}~"           # prefix-free (SGLang aborts by rid prefix)
             with self._lock:
                 if rid in self._aborted:
                     reason = "abort"
