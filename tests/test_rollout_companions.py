@@ -1,6 +1,7 @@
 """The RL loop with its companions switched on, on real parts (embedded engine servers in their own
 processes, bubblewrap sandboxes, the Megatron trainer): WAR's scheduler places the turns
-(``router="war"``) and Belayer's supervisor keeps a shadow worker (``shadows=1``). An engine server
+(``router="war"``), Libra's C-MLFQ orders the waiting turns (``turn_queue="cmlfq"``) and Belayer's
+supervisor keeps a shadow worker (``shadows=1``). An engine server
 SIGKILLed at the start of step 1 is replaced by the shadow; the step loses no trajectory, every
 turn still runs on the pushed weights, and the row counts the failover."""
 import shutil
@@ -28,7 +29,8 @@ class _KillAtStep(RLLoop):
 def test_loop_with_war_router_and_shadow_survives_a_killed_engine(tmp_path):
     if shutil.which("bwrap") is None:
         pytest.fail("bubblewrap is needed (apt-get install -y bubblewrap)")
-    cfg = LoopConfig(steps=2, engine="embedded", num_engines=1, shadows=1, router="war", model="tiny",
+    cfg = LoopConfig(steps=2, engine="embedded", num_engines=1, shadows=1, router="war", turn_queue="cmlfq",
+                     model="tiny",
                      tasks_per_step=2, out=str(tmp_path), seed=0,
                      rollout=RolloutConfig(group_size=2, branch_turn=1, branch_factor=2, max_turns=2,
                                            max_new_tokens=6, max_concurrency=4))
@@ -48,6 +50,7 @@ def test_loop_with_war_router_and_shadow_survives_a_killed_engine(tmp_path):
     (["--shadows", "1", "--engine-urls", "http://127.0.0.1:1"], "--shadows needs engines started by the loop"),
     (["--shadows", "-1"], "--shadows must be >= 0"),
     (["--router", "magic"], "invalid choice: 'magic'"),
+    (["--turn-queue", "lifo"], "invalid choice: 'lifo'"),
 ])
 def test_companion_flags_are_validated(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
@@ -56,7 +59,9 @@ def test_companion_flags_are_validated(argv, msg, capsys):
 
 
 def test_companion_flags_reach_the_config():
-    cfg = parse_args(["--router", "war", "--shadows", "2", "--num-engines", "2"])
-    assert (cfg.router, cfg.shadows, cfg.num_engines) == ("war", 2, 2)
+    cfg = parse_args(["--router", "war", "--shadows", "2", "--num-engines", "2", "--turn-queue", "cmlfq"])
+    assert (cfg.router, cfg.shadows, cfg.num_engines, cfg.turn_queue) == ("war", 2, 2, "cmlfq")
+    with pytest.raises(ValueError, match="turn_queue must be one of"):
+        LoopConfig(turn_queue="lifo")
     with pytest.raises(ValueError, match="router must be one of"):
         LoopConfig(router="random")

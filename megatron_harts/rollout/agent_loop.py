@@ -16,6 +16,9 @@ Scheduling: every model turn is one engine request; a pool of threads runs turns
 episodes concurrently (``max_concurrency``). Which engine serves a turn is decided by
 ``pick_engine(episode, engines, load)`` (default: sticky, the episode keeps its engine, new
 episodes go to the engine with the fewest turns in flight); the scheduling issue replaces it.
+Which waiting turn gets a free slot is first come, first served, unless a ``turn_queue`` orders
+them (e.g. Libra's C-MLFQ, :class:`~.libra.cmlfq.TurnQueue`): every turn that is ready is pushed
+with its :class:`TurnSignals`, and a turn is popped whenever fewer than ``max_concurrency`` run.
 
 Faults: an engine error is retried on the same or another engine (``engine_retries``) from the
 logged prefix (the prompt of a turn is the whole context so far, so nothing generated is lost);
@@ -112,7 +115,8 @@ class Episode:
 
     def fork(self, k: int) -> "Episode":
         return Episode(self.group_id, self.path + (k,), self.env.fork(), list(self.tokens), list(self.loss_mask),
-                       list(self.logprobs), list(self.turns), self.engine_index, info=dict(self.info))
+                       list(self.logprobs), list(self.turns), self.engine_index,
+                       info={k: v for k, v in self.info.items() if k != "program"})     # a fork is its own program
 
 
 @dataclass
@@ -123,6 +127,22 @@ class RolloutResult:
     trajectories: list[Trajectory]
     failed: list[tuple[str, str]]
     stats: dict
+
+
+@dataclass
+class TurnSignals:
+    """What a turn queue sees of a ready turn (what a serving system could see): ``program``: the
+    episode's number in this rollout (forks get their own); ``turn``: 0-based index of the turn;
+    ``ctx``: context tokens; ``attained``: tokens the episode generated so far; ``tool_ok``: the
+    last tool return (True: exit 0, False: non-zero exit or an error, None: no tool ran yet or
+    the environment does not say); ``obs_tokens``: tokens of that observation."""
+
+    program: int
+    turn: int
+    ctx: int
+    attained: int
+    tool_ok: bool | None
+    obs_tokens: int
 
 
 def sticky_least_loaded(episode: Episode, engines: Sequence[Engine], in_flight: Sequence[int]) -> int:
@@ -142,7 +162,8 @@ class AgentLoop:
 
     def __init__(self, engines: Engine | Sequence[Engine], tokenizer: Tokenizer,
                  env_factory: Callable[[object], Environment], config: RolloutConfig | None = None,
-                 pick_engine: Callable[[Episode, Sequence[Engine], Sequence[int]], int] = sticky_least_loaded):
+                 pick_engine: Callable[[Episode, Sequence[Engine], Sequence[int]], int] = sticky_least_loaded,
+                 turn_queue=None):
         self.engines = [engines] if isinstance(engines, Engine) else list(engines)
         if not self.engines:
             raise ValueError("AgentLoop needs at least one engine")
@@ -151,6 +172,8 @@ class AgentLoop:
         if self.cfg.branch_factor < 1 or self.cfg.group_size < 1:
             raise ValueError("group_size and branch_factor must be >= 1")
         self.pick_engine = pick_engine
+        self.turn_queue = turn_queue                     # push(episode, TurnSignals, now) / pop(now) / len()
+        self._programs = itertools.count()
         self._in_flight = [0] * len(self.engines)
         self._down_until = [0.0] * len(self.engines)     # monotonic time until which an engine is skipped
         self._lock = threading.Lock()
@@ -218,6 +241,9 @@ class AgentLoop:
         ep.loss_mask += [1] * len(gen.output_ids)
         ep.logprobs += gen.logprobs
         res = ep.env.step(self.tok.decode(gen.output_ids))
+        info = res.info or {}
+        ep.info["tool_ok"] = (not info.get("error") and info.get("exit") == 0) if ("exit" in info or info.get("error")) \
+            else None
         if res.done or len(ep.turns) >= (cfg.max_turns or SAFETY_TURNS):
             ep.done = True
             ep.reward = float(res.reward) if res.reward is not None else 0.0
@@ -228,6 +254,7 @@ class AgentLoop:
         if not obs.startswith(OBS):      # environments may pre-fill markup themselves
             obs = f"{OBS}{obs}{END_OBS}"
         ids = self.tok.encode(obs)
+        ep.info["obs_tokens"] = len(ids)
         ep.tokens += ids
         ep.loss_mask += [0] * len(ids)
         ep.logprobs += [0.0] * len(ids)
@@ -248,17 +275,35 @@ class AgentLoop:
         finished: list[Episode] = []
         failed: list[tuple[str, str]] = []
         pending: dict[Future, Episode] = {}
+        queue = self.turn_queue
+        if queue is not None and len(queue):
+            raise ValueError("turn_queue must be empty at the start of a rollout")
         with ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="agent") as pool:
             def submit(ep: Episode):
-                pending[pool.submit(self._advance, ep)] = ep
+                if queue is None:
+                    pending[pool.submit(self._advance, ep)] = ep
+                else:
+                    queue.push(ep, self._signals(ep), time.monotonic())
+
+            def refill():                    # the queue's choice of waiting turns into the free slots
+                while queue is not None and len(pending) < cfg.max_concurrency and len(queue):
+                    ep = queue.pop(time.monotonic())
+                    if ep is None:
+                        break
+                    pending[pool.submit(self._advance, ep)] = ep
 
             for ep in running:
                 submit(ep)
             try:
-                env_s = self._drain(pending, submit, finished, failed)
+                env_s = self._drain(pending, submit, finished, failed, refill)
             finally:                                       # an unexpected error: free every sandbox
                 for f, ep in pending.items():
                     f.cancel()
+                    ep.env.close()
+                while queue is not None and len(queue):
+                    ep = queue.pop(time.monotonic())
+                    if ep is None:
+                        break
                     ep.env.close()
         trajs = self._trajectories(finished)
         n_gen = sum(int(np.sum(t.loss_mask)) for t in trajs)
@@ -278,12 +323,23 @@ class AgentLoop:
                          len(failed) + len(finished), failed[:3])
         return RolloutResult(trajs, failed, stats)
 
-    def _drain(self, pending: dict, submit, finished: list, failed: list) -> float:
-        """Collect finished turns until no episode runs: finished episodes to ``finished``, failed
-        ones (and failed forks) to ``failed`` with the reason, running ones resubmitted (forked
-        after ``branch_turn``). Returns the seconds spent forking environments."""
+    def _signals(self, ep: Episode) -> TurnSignals:
+        if "program" not in ep.info:
+            ep.info["program"] = next(self._programs)
+        return TurnSignals(ep.info["program"], len(ep.turns), len(ep.tokens),
+                           sum(len(t.output_ids) for t in ep.turns), ep.info.get("tool_ok"),
+                           int(ep.info.get("obs_tokens", 0)))
+
+    def _drain(self, pending: dict, submit, finished: list, failed: list, refill=lambda: None) -> float:
+        """Collect finished turns until no episode runs or waits: finished episodes to ``finished``,
+        failed ones (and failed forks) to ``failed`` with the reason, running ones resubmitted
+        (forked after ``branch_turn``); ``refill()`` moves waiting turns into free slots. Returns the
+        seconds spent forking environments."""
         cfg, fork_s = self.cfg, 0.0
-        while pending:
+        while True:
+            refill()
+            if not pending:
+                break
             done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
             for fut in done:
                 ep = pending.pop(fut)

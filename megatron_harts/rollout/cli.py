@@ -61,6 +61,9 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--router", choices=["sticky", "war"], default="sticky",
                    help="turn placement on the engines: sticky least-loaded, or WAR's cache/progress/load-aware "
                         "scheduler")
+    g.add_argument("--turn-queue", choices=["fcfs", "plas", "cmlfq"], default=None,
+                   help="Libra: order of the turns waiting for one of --max-concurrency slots (cmlfq: causality-driven "
+                        "MLFQ, tool successes first; default: the loop's own first-come order)")
     g.add_argument("--shadows", type=int, default=0,
                    help="Belayer: pre-started shadow engine workers that take over a failed one, whose requests "
                         "continue from their logged tokens (0: off; started engines, without --ray)")
@@ -114,7 +117,8 @@ def parse_args(argv=None) -> LoopConfig:
                       trainer=a.trainer, model=a.model, lr=a.lr, chunk_size=a.chunk_size, device=a.device,
                       attention_backend=a.attention_backend,
                       seed=a.seed, use_ray=a.ray, out=a.out, sft_warmup_steps=a.sft_warmup_steps,
-                      warmup_lr=a.warmup_lr, warmup_target_reward=a.warmup_target_reward, old_logprobs=a.old_logprobs, router=a.router, shadows=a.shadows)
+                      warmup_lr=a.warmup_lr, warmup_target_reward=a.warmup_target_reward, old_logprobs=a.old_logprobs, router=a.router, shadows=a.shadows,
+                      turn_queue=a.turn_queue)
 
 
 HEADER = "step  reward  compr.  traj  rollout_s  train_s  sync_s  mismatch"

@@ -20,7 +20,9 @@ cache/progress/load-aware :class:`~.war.scheduler.WarScheduler` (default ``stick
 least-loaded); ``shadows=N`` (local path, started engines) runs the engines under Belayer's
 :class:`~.belayer.engine.Supervisor` with ``N`` pre-started shadow workers, and the agent loop's
 engines are :class:`~.belayer.engine.ResumableEngine` s: a server that dies mid-step is replaced by
-a shadow and its requests continue from their logged tokens (rows count ``failovers``).
+a shadow and its requests continue from their logged tokens (rows count ``failovers``);
+``turn_queue="cmlfq"`` (or ``plas``, ``fcfs``) orders the turns waiting for one of the rollout's
+``max_concurrency`` slots with Libra's queue policy (:class:`~.libra.cmlfq.TurnQueue`).
 
 Per step the driver records ``{step, engine, trainer, rollout_s, train_s, sync_s, compression,
 reward_mean, logprob_mismatch_max, ...}``; ``logprob_mismatch_*`` compares the engine's log-probs
@@ -71,7 +73,9 @@ class LoopConfig:
     worker; ``router_cache_hit`` per step: WAR's modelled prefix-cache hit rate of that step's turns);
     ``shadows``: Belayer shadow workers beside the ``num_engines`` serving ones (0: off; needs started
     engines and the local path; the supervisor stops its servers at the end, ``keep_engines`` or not;
-    a row's ``failovers`` are those since the previous row: its rollout, training and weight push)."""
+    a row's ``failovers`` are those since the previous row: its rollout, training and weight push);
+    ``turn_queue``: Libra's queue policy for turns waiting for a concurrency slot (``fcfs``, ``plas``,
+    ``cmlfq``; None: the loop's own first-come order)."""
 
     steps: int = 2
     engine: str = "embedded"
@@ -102,12 +106,15 @@ class LoopConfig:
     save_rollouts: bool = True
     router: str = "sticky"
     shadows: int = 0
+    turn_queue: str | None = None
 
     def __post_init__(self):
         if self.router not in ROUTERS:
             raise ValueError(f"LoopConfig.router must be one of {ROUTERS}, got {self.router!r}")
         if self.shadows < 0:
             raise ValueError(f"LoopConfig.shadows must be >= 0, got {self.shadows}")
+        if self.turn_queue is not None and self.turn_queue not in TURN_QUEUES:
+            raise ValueError(f"LoopConfig.turn_queue must be one of {TURN_QUEUES} or None, got {self.turn_queue!r}")
         if self.warmup_probe_every < 1:
             raise ValueError(f"LoopConfig.warmup_probe_every must be >= 1, got {self.warmup_probe_every}")
         if self.warmup_target_reward is not None and not self.sft_warmup_steps:
@@ -118,6 +125,7 @@ class LoopConfig:
 
 
 ROUTERS = ("sticky", "war")
+TURN_QUEUES = ("fcfs", "plas", "cmlfq")
 
 
 class RolloutWorker:
@@ -127,7 +135,7 @@ class RolloutWorker:
     whose gate wraps the engines); its prefix-cache hit estimate is ``stats["router_cache_hit"]``."""
 
     def __init__(self, urls: list[str], family: str, rollout: RolloutConfig, seed: int = 0,
-                 router: str = "sticky", engines: list | None = None):
+                 router: str = "sticky", engines: list | None = None, turn_queue: str | None = None):
         from .agent_loop import sticky_least_loaded
         from .engines import HttpEngine
         from .envs import make_env
@@ -143,8 +151,12 @@ class RolloutWorker:
             engines = self.scheduler.wrap(engines)
         elif router != "sticky":
             raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+        queue = None
+        if turn_queue is not None:
+            from .libra.cmlfq import TurnQueue
+            queue = TurnQueue(turn_queue)
         self.loop = AgentLoop(engines, ByteTokenizer(), lambda task: make_env(family, int(task), seed=seed, **turns),
-                              rollout, pick_engine=pick)
+                              rollout, pick_engine=pick, turn_queue=queue)
 
     def rollout(self, tasks: list[int], group_ids: list[str]):
         st = self.scheduler.stats if self.scheduler is not None else None
@@ -302,9 +314,10 @@ class RLLoop:
             self._push(path, "v0", urls)
         self.urls = urls
         Worker = _remote(RolloutWorker, ray_, num_cpus=0)
-        wkw = dict(router=cfg.router, engines=engines)
+        wkw = dict(router=cfg.router, engines=engines, turn_queue=cfg.turn_queue)
         self.workers = [Worker(urls, cfg.family, cfg.rollout, cfg.seed, **wkw) if not ray_ else
-                        Worker.remote(urls, cfg.family, cfg.rollout, cfg.seed, router=cfg.router)
+                        Worker.remote(urls, cfg.family, cfg.rollout, cfg.seed, router=cfg.router,
+                                      turn_queue=cfg.turn_queue)
                         for _ in range(cfg.rollout_workers)]
 
     def _push(self, path: str, version: str, urls: list[str] | None = None) -> float:

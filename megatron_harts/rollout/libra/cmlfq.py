@@ -233,3 +233,30 @@ def make_policy(name: str, **kw) -> QueuePolicy:
     if name not in POLICIES:
         raise ValueError(f"queue policy must be one of {sorted(POLICIES)}, got {name!r}")
     return POLICIES[name](**kw)
+
+
+class TurnQueue:
+    """A policy as the agent loop's ``turn_queue`` (:class:`~megatron_harts.rollout.agent_loop.AgentLoop`):
+    ready turns are pushed with their :class:`~megatron_harts.rollout.agent_loop.TurnSignals` and
+    popped into free slots in the policy's order. One bucket: the loop's slots are not split by
+    engine kind (heterogeneous buckets stay the simulator's). ``now`` is seconds (monotonic)."""
+
+    def __init__(self, policy: QueuePolicy | str):
+        self.policy = (make_policy(policy, **({"buckets": 1} if policy == "cmlfq" else {}))
+                       if isinstance(policy, str) else policy.clone())
+        if self.policy.buckets != 1:
+            raise ValueError(f"TurnQueue takes a one-bucket policy, got {self.policy.name} with "
+                             f"{self.policy.buckets} buckets")
+        self.name = self.policy.name
+
+    def push(self, item, sig, now: float) -> None:
+        signal = SIGNAL_NONE if sig.tool_ok is None else SIGNAL_SUCCESS if sig.tool_ok else SIGNAL_ERROR
+        self.policy.push(Request(program=sig.program, turn=sig.turn, ctx=sig.ctx, attained=sig.attained,
+                                 signal=signal, obs_tokens=sig.obs_tokens, arrival=now, payload=item), now)
+
+    def pop(self, now: float):
+        req = self.policy.pop(0, now)
+        return None if req is None else req.payload
+
+    def __len__(self) -> int:
+        return len(self.policy)
