@@ -13,6 +13,10 @@ What the shim changes (all undone by :func:`disable_cpu_megatron`):
 
 * ``torch.cuda.current_device`` -> ``torch.device("cpu")``. Megatron allocates every
   parameter and buffer with ``device=torch.cuda.current_device()``.
+* ``torch.cuda.current_stream`` -> ``torch.cpu.current_stream`` (a ``torch.cpu.Stream``, whose
+  ``wait_event`` / ``wait_stream`` are no-ops: CPU work is already done). Megatron's DDP gradient
+  sync (``_ParamAndGradBucketGroup.start_grad_sync``, reached from ``finish_grad_sync`` /
+  ``finalize_model_grads``) asks for the current stream before its collective.
 * ``megatron.core.tensor_parallel.random``: the "CUDA" RNG state helpers read/write the
   CPU default generator, and the RNG tracker is a :class:`CPURNGStatesTracker`, so
   ``get_cuda_rng_tracker().fork()`` (weight init, dropout) and activation recomputation
@@ -162,6 +166,7 @@ def enable_cpu_megatron() -> None:
     if torch.cuda.is_available():
         logger.warning("cpu_shim: CUDA is available but Megatron is being redirected to CPU")
     _patch(torch.cuda, "current_device", _cpu_current_device)
+    _patch(torch.cuda, "current_stream", torch.cpu.current_stream)
     _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", CPURNGStatesTracker())
