@@ -107,8 +107,8 @@ class MegatronReplica:
         self.module = convert.build_megatron_model(self.args, tree=True, calculate_per_token_loss=True)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
-        self.ddp_kwargs = dict(overlap_grad_reduce=False, use_distributed_optimizer=False, grad_reduce_in_fp32=True,
-                               average_in_collective=False, **(ddp_config or {}))
+        self.ddp_kwargs = {**dict(overlap_grad_reduce=False, use_distributed_optimizer=False, grad_reduce_in_fp32=True,
+                                  average_in_collective=False), **(ddp_config or {})}
         self.ddp = None
         self.pgc = None
         self.ddp_builds = 0

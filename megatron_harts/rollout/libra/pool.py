@@ -174,7 +174,9 @@ class PoolWorker:
 
     def grads(self, batch: Sequence[Sequence[int]], mode: str = "deterministic"):
         """Gradient of the global token-mean NLL of ``batch`` (token-id lists) over the DP group;
-        sets ``.grad`` and returns the flat gradient (numpy float32, every rank the same)."""
+        sets ``.grad`` and returns the flat gradient ``[P]`` (numpy float32, every rank the same).
+        ``mode``: ``"deterministic"`` or ``"allreduce"`` (module docstring; with the Megatron trainer
+        ``"allreduce"`` is Megatron DDP's grad sync + ``finalize_model_grads``)."""
         self._need_dp()
         torch, dist = self.torch, self.dist
         if mode not in ("deterministic", "allreduce"):
