@@ -13,6 +13,10 @@ What the shim changes (all undone by :func:`disable_cpu_megatron`):
 
 * ``torch.cuda.current_device`` -> ``torch.device("cpu")``. Megatron allocates every
   parameter and buffer with ``device=torch.cuda.current_device()``.
+* ``torch.cuda.current_stream`` -> a :class:`CPUStream` (every wait / record / synchronize a
+  no-op: CPU work is already done when the call returns). Megatron's DDP gradient sync
+  (``_ParamAndGradBucketGroup.start_grad_sync``, reached from ``finish_grad_sync`` /
+  ``finalize_model_grads``) asks for the current stream before its collective.
 * ``megatron.core.tensor_parallel.random``: the "CUDA" RNG state helpers read/write the
   CPU default generator, and the RNG tracker is a :class:`CPURNGStatesTracker`, so
   ``get_cuda_rng_tracker().fork()`` (weight init, dropout) and activation recomputation
@@ -65,6 +69,41 @@ _OWNS_PROCESS_GROUP = False
 def _cpu_current_device() -> torch.device:
     """Stand-in for ``torch.cuda.current_device``: Megatron allocates on this device."""
     return torch.device("cpu")
+
+
+class CPUStream:
+    """Stand-in for the ``torch.cuda.Stream`` / ``Event`` that ``torch.cuda.current_stream()``
+    returns: on CPU every operation has completed when it returns, so waits, records and
+    synchronisation are no-ops and queries are true."""
+
+    def wait_event(self, event=None) -> None:
+        pass
+
+    def wait_stream(self, stream=None) -> None:
+        pass
+
+    def record_event(self, event=None) -> "CPUStream":
+        return self
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = CPUStream()
+
+
+def _cpu_current_stream(device=None) -> CPUStream:
+    """Stand-in for ``torch.cuda.current_stream``."""
+    return _CPU_STREAM
 
 
 def _cpu_get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -162,6 +201,7 @@ def enable_cpu_megatron() -> None:
     if torch.cuda.is_available():
         logger.warning("cpu_shim: CUDA is available but Megatron is being redirected to CPU")
     _patch(torch.cuda, "current_device", _cpu_current_device)
+    _patch(torch.cuda, "current_stream", _cpu_current_stream)
     _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", CPURNGStatesTracker())
@@ -580,6 +620,7 @@ def build_tiny_hybrid_model(
 
 __all__ = [
     "CPURNGStatesTracker",
+    "CPUStream",
     "LocalHybridStack",
     "TorchNorm",
     "enable_cpu_megatron",

@@ -21,13 +21,25 @@ for the trainer, see ``scripts/libra_colocated_h200.py``) to be resumed and re-w
 switch; the DP group is rebuilt with the worker, and it receives the
 current parameters and AdamW state from a training worker by broadcast.
 
-The model is the Hugging Face ``Qwen3NextForCausalLM`` of a config (e.g. ``weight_sync``'s ``tiny``
-preset) on transformers' torch path, fp32: the engine serves exactly these weights. Gradients of a
-global batch (``grads``): each DP rank takes samples ``i = rank (mod dp)``; the loss is the global
-token-mean NLL. ``mode="deterministic"``: per-sample gradients are all-gathered and summed in
-sample order, so the result is bitwise independent of how many ranks computed it;
-``mode="allreduce"``: each rank sums its shard, then ``all_reduce`` (fp32 reduction order differs
-with the rank set: equal within rounding, not bitwise).
+The trainer (``trainer``):
+
+* ``"hf"`` (default): the Hugging Face ``Qwen3NextForCausalLM`` of a config (e.g. ``weight_sync``'s
+  ``tiny`` preset) on transformers' torch path, fp32, reduced with ``torch.distributed`` calls
+  over ``pgc.dp``; the engine serves exactly these weights.
+* ``"megatron"``: the Megatron-Core ``HybridModel`` of the same config
+  (:class:`~megatron_harts.rollout.libra.megatron_replica.MegatronReplica`: ``megatron.convert``,
+  ``cpu_shim``), wrapped in Megatron's ``DistributedDataParallel`` built with the collection; the
+  wrapper (grad buffer, bucket groups) is rebuilt on every rank-set change, gradients are reduced
+  by DDP's grad sync and ``finalize_model_grads``, and the engine serves the Megatron weights
+  converted to the HF layout (``convert.iter_megatron_to_hf``, the ``WeightSync`` path).
+
+Gradients of a global batch (``grads``): each DP rank takes samples ``i = rank (mod dp)``; the loss
+is the global token-mean NLL. ``mode="deterministic"``: per-sample gradients are all-gathered and
+summed in sample order, so the result is bitwise independent of how many ranks computed it;
+``mode="allreduce"``: each rank sums its shard, then the sum is all-reduced (HF: ``all_reduce``;
+Megatron: DDP's grad-buffer all-reduce in ``finalize_model_grads``, which also all-reduces the token
+count and scales by its inverse): fp32 reduction order differs with the rank set, so equal within
+rounding, not bitwise.
 """
 from __future__ import annotations
 
@@ -41,27 +53,38 @@ from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
 
+TRAINERS = ("hf", "megatron")
+
 
 class PoolWorker:
     """One worker of the pool (a Ray actor in :class:`ElasticPool`). ``rank``/``world``: its place in
     the world group. :meth:`address` gives a rendezvous address on this worker's node; every
-    worker then calls :meth:`setup` with rank 0's (``tcp://host:port``)."""
+    worker then calls :meth:`setup` with rank 0's (``tcp://host:port``). ``trainer``: ``"hf"``
+    (transformers' model, built here) or ``"megatron"`` (Megatron-Core, built in :meth:`setup`,
+    which needs the world group for Megatron's ``parallel_state``)."""
 
-    def __init__(self, rank: int, world: int, hf_config: dict, *, seed: int = 0, threads: int = 1,
-                 lr: float = 1e-3, timeout_s: float = 120.0):
-        sys.modules.setdefault("fla", None)              # transformers' torch path (as the embedded engine)
-        sys.modules.setdefault("causal_conv1d", None)
+    def __init__(self, rank: int, world: int, hf_config: dict, *, trainer: str = "hf", seed: int = 0,
+                 threads: int = 1, lr: float = 1e-3, timeout_s: float = 120.0):
+        if trainer not in TRAINERS:
+            raise ValueError(f"trainer must be one of {TRAINERS}, got {trainer!r}")
         import torch
         import torch.distributed as dist
-        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         torch.set_num_threads(threads)
         self.torch, self.dist = torch, dist
         self.rank, self.world, self.hf_config, self.timeout_s = rank, world, dict(hf_config), timeout_s
-        torch.manual_seed(seed)
-        self.model = Qwen3NextForCausalLM(Qwen3NextConfig(**hf_config)).float().train()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+        self.trainer, self.seed, self.lr = trainer, seed, lr
+        self.replica = None
+        self.model = self.params = self.opt = None
+        if trainer == "hf":
+            sys.modules.setdefault("fla", None)          # transformers' torch path (as the embedded engine)
+            sys.modules.setdefault("causal_conv1d", None)
+            from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+            torch.manual_seed(seed)
+            self.model = Qwen3NextForCausalLM(Qwen3NextConfig(**hf_config)).float().train()
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
         self.pgc = None
         self.dp_ranks: list[int] = []
         self.server = None
@@ -76,29 +99,54 @@ class PoolWorker:
         return f"tcp://{ip}:{free_port(ip)}"
 
     def setup(self, init_method: str) -> float:
-        """Join the world process group (gloo); returns seconds."""
+        """Join the world process group (gloo); with the Megatron trainer, then initialise Megatron's
+        ``parallel_state`` over it and build the model. Returns seconds."""
         t0 = time.perf_counter()
         self.dist.init_process_group("gloo", init_method=init_method, rank=self.rank, world_size=self.world,
                                      timeout=timedelta(seconds=self.timeout_s))
+        if self.trainer == "megatron":
+            from .megatron_replica import MegatronReplica
+
+            t1 = time.perf_counter()
+            self.replica = MegatronReplica(self.hf_config, seed=self.seed, lr=self.lr)
+            self.model, self.params, self.opt = self.replica.module, self.replica.params, self.replica.opt
+            logger.info("worker %d: world group %.2fs, Megatron setup %.2fs", self.rank, t1 - t0,
+                        time.perf_counter() - t1)
         return time.perf_counter() - t0
 
     # -- process groups ------------------------------------------------------------------------
 
     def set_dp(self, ranks: Sequence[int]) -> float:
-        """Collective over the world: build the DP group of ``ranks``; returns seconds."""
+        """Collective over the world: build the DP group of ``ranks``; returns seconds. Megatron
+        trainer: members wrap the model in a new Megatron DDP for the group (fresh grad buffer and
+        bucket groups), the others drop theirs."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         t0 = time.perf_counter()
         ranks = sorted(int(r) for r in ranks)
         group = self.dist.new_group(ranks=ranks, backend="gloo")
         if self.rank in ranks:
-            pgc = ProcessGroupCollection()
-            pgc.dp = group
-            pgc.dp_cp = group
+            if self.replica is not None:
+                self.replica.attach(group)
+                pgc = self.replica.pgc
+            else:
+                pgc = ProcessGroupCollection()
+                pgc.dp = group
+                pgc.dp_cp = group
             self.pgc, self.dp_ranks = pgc, ranks
         else:
+            if self.replica is not None:
+                self.replica.detach()
             self.pgc, self.dp_ranks = None, []
         return time.perf_counter() - t0
+
+    def dp_info(self) -> dict:
+        """This worker's DP membership (``ranks``: the group it trains in, [] when serving) and, with
+        the Megatron trainer, where its DDP wrapper reduces (``MegatronReplica.dp_info``)."""
+        info = {"ranks": list(self.dp_ranks)}
+        if self.replica is not None:
+            info.update(self.replica.dp_info())
+        return info
 
     def _need_dp(self) -> None:
         if self.pgc is None:
@@ -126,13 +174,17 @@ class PoolWorker:
 
     def grads(self, batch: Sequence[Sequence[int]], mode: str = "deterministic"):
         """Gradient of the global token-mean NLL of ``batch`` (token-id lists) over the DP group;
-        sets ``.grad`` and returns the flat gradient (numpy float32, every rank the same)."""
+        sets ``.grad`` and returns the flat gradient ``[P]`` (numpy float32, every rank the same).
+        ``mode``: ``"deterministic"`` or ``"allreduce"`` (module docstring; with the Megatron trainer
+        ``"allreduce"`` is Megatron DDP's grad sync + ``finalize_model_grads``)."""
         self._need_dp()
         torch, dist = self.torch, self.dist
         if mode not in ("deterministic", "allreduce"):
             raise ValueError(f"mode must be 'deterministic' or 'allreduce', got {mode!r}")
         group, dp = self.pgc.dp, len(self.dp_ranks)
         me = self.dp_ranks.index(self.rank)
+        if self.replica is not None:
+            return self.replica.grads(batch, me, dp, mode=mode)
         norm = float(sum(len(s) - 1 for s in batch))
         mine = list(range(me, len(batch), dp))
         self.opt.zero_grad(set_to_none=True)
@@ -190,13 +242,32 @@ class PoolWorker:
 
     # -- rollout role --------------------------------------------------------------------------
 
+    def logprobs(self, seqs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Log-probs (nats) of tokens 1..L-1 of each token list under this worker's current weights
+        (its trainer's own forward: Megatron's with the Megatron trainer)."""
+        if self.replica is not None:
+            return self.replica.logprobs(seqs)
+        torch = self.torch
+        out = []
+        self.model.eval()
+        with torch.no_grad():
+            for s in seqs:
+                x = torch.tensor([list(s)], dtype=torch.long)
+                lp = torch.log_softmax(self.model(input_ids=x, use_cache=False).logits[0, :-1].float(), -1)
+                out.append(lp.gather(-1, x[0, 1:, None])[:, 0].tolist())
+        self.model.train()
+        return out
+
     def export(self, out_dir: str, version: str) -> float:
-        """Write the weights as an HF checkpoint (the sync path engines load); returns seconds."""
+        """Write the weights as an HF checkpoint (the sync path engines load: the Megatron trainer's
+        are converted layer by layer with ``convert.iter_megatron_to_hf``, as ``WeightSync.export``
+        does); returns seconds."""
         from megatron_harts.rollout.weight_sync import save_hf_checkpoint
 
         t0 = time.perf_counter()
-        save_hf_checkpoint(out_dir, self.model.state_dict(), self.hf_config, version=version, overwrite=True,
-                           warn_sglang=False)
+        tensors = self.replica.hf_tensors() if self.replica is not None else self.model.state_dict()
+        with self.torch.no_grad():
+            save_hf_checkpoint(out_dir, tensors, self.hf_config, version=version, overwrite=True, warn_sglang=False)
         return time.perf_counter() - t0
 
     def start_engine(self, out_dir: str, version: str, log_path: str | None = None) -> dict:
@@ -220,16 +291,21 @@ class PoolWorker:
             self.engine = self.server.engine(timeout=120.0, retries=1, backoff=0.1)
         return {"url": self.server.url, "export_s": export_s, "start_s": time.perf_counter() - t0, "resident": resident}
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8, seed: int = 0) -> list[dict]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8, seed: int = 0,
+                 temperature: float = 1.0) -> list[dict]:
+        """Generate from this worker's engine; ``temperature=0``: greedy. Each answer:
+        ``output_ids``, ``logprobs`` (the engine's log-softmax of its raw logits, nats) and
+        ``weight_version``."""
         from megatron_harts.rollout.types import SamplingParams
 
         if self.engine is None:
             raise RuntimeError(f"worker {self.rank} serves no engine")
         out = []
         for k, p in enumerate(prompts):
-            g = self.engine.generate(list(p), SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0,
+            g = self.engine.generate(list(p), SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                                               seed=seed + k))
-            out.append({"output_ids": list(g.output_ids), "weight_version": g.weight_version})
+            out.append({"output_ids": list(g.output_ids), "logprobs": list(g.logprobs),
+                        "weight_version": g.weight_version})
         return out
 
     def update_engine(self, path: str, version: str) -> float:
@@ -255,6 +331,8 @@ class PoolWorker:
 
     def close(self) -> None:
         self.stop_engine(keep=False)
+        if self.replica is not None:
+            self.replica.close()
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
 
@@ -266,15 +344,20 @@ class ElasticPool:
     its memory released, and resumes it on the next switch (SGLang's colocated mode) instead of
     stopping it and starting a new one.
 
+    ``trainer``: ``"hf"`` or ``"megatron"`` (see the module docstring). ``timeout_s``: the world
+    group's collective timeout (a collective missing a member fails after it instead of hanging).
     ``cpus_per_worker``: Ray CPUs each actor reserves (0 lets a 2-core machine hold any number).
     The driver must have Ray initialised or lets this class start a local cluster."""
 
-    def __init__(self, n: int, hf_config: dict, work_dir: str, *, seed: int = 0, threads: int = 1, lr: float = 1e-3,
-                 cpus_per_worker: float = 0, resident_engines: bool = False):
+    def __init__(self, n: int, hf_config: dict, work_dir: str, *, trainer: str = "hf", seed: int = 0,
+                 threads: int = 1, lr: float = 1e-3, cpus_per_worker: float = 0, resident_engines: bool = False,
+                 timeout_s: float = 120.0):
         import ray
 
         if n < 2:
             raise ValueError(f"an elastic pool needs >= 2 workers, got {n}")
+        if trainer not in TRAINERS:
+            raise ValueError(f"trainer must be one of {TRAINERS}, got {trainer!r}")
         if not ray.is_initialized():
             root = str(Path(__file__).resolve().parents[3])
             ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
@@ -283,7 +366,9 @@ class ElasticPool:
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         Actor = ray.remote(num_cpus=cpus_per_worker)(PoolWorker)
-        self.workers = [Actor.remote(r, n, hf_config, seed=seed, threads=threads, lr=lr) for r in range(n)]
+        self.trainer = trainer
+        self.workers = [Actor.remote(r, n, hf_config, trainer=trainer, seed=seed, threads=threads, lr=lr,
+                                     timeout_s=timeout_s) for r in range(n)]
         # rendezvous on the node where Ray placed rank 0 (the TCP store's host)
         init = ray.get(self.workers[0].address.remote())
         self.init_s = max(ray.get([w.setup.remote(init) for w in self.workers]))
@@ -335,8 +420,16 @@ class ElasticPool:
         push_s = self._get(self.workers[rank].update_engine.remote(path, version))
         return {"export_s": export_s, "push_s": push_s, "version": version}
 
-    def generate(self, rank: int, prompts, max_new_tokens: int = 8):
-        return self._get(self.workers[rank].generate.remote(prompts, max_new_tokens))
+    def generate(self, rank: int, prompts, max_new_tokens: int = 8, temperature: float = 1.0):
+        return self._get(self.workers[rank].generate.remote(prompts, max_new_tokens, 0, temperature))
+
+    def dp_info(self) -> list[dict]:
+        """Every worker's :meth:`PoolWorker.dp_info`, by rank."""
+        return self._get([w.dp_info.remote() for w in self.workers])
+
+    def logprobs(self, rank: int, seqs):
+        """Log-probs of tokens 1..L-1 of each sequence under worker ``rank``'s trainer model."""
+        return self._get(self.workers[rank].logprobs.remote(seqs))
 
     def to_training(self, rank: int) -> dict:
         """Worker ``rank`` stops serving and rejoins training with the trainers' state."""
