@@ -317,3 +317,27 @@ def test_bench_add_rows_tags_another_runs_h200_rows(tmp_path):
     r = subprocess.run([sys.executable, str(script), "--out", str(out), "--add-rows", str(bad)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and str(bad) in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_spec_switch_places_by_load_and_takes_its_crossover_from_measured_rows():
+    # replica 0 speculates, replica 1 does not; speculation while at most 1 turn is in flight
+    s = WarScheduler(2, SchedulerConfig(block=8, spec_replicas=(0,), spec_crossover=1))
+    assert s.place("a/0", [1] * 32, 0, [0, 0]) == 0                  # idle: the speculating replica
+    s.started(0, "a/0#0", [1] * 32, 16)
+    s.started(0, "x#0", [2] * 32, 16)                               # 2 turns in flight: over the crossover
+    assert s.place("b/0", [3] * 32, 0, [2, 0]) == 1
+    assert s.place("c/0", [4] * 32, 0, [2, 1 << 20]) == 0           # the plain replica is down: fall back
+    assert s.stats["spec_turns"] == 1
+    with pytest.raises(ValueError, match="out of range"):
+        WarScheduler(2, SchedulerConfig(spec_replicas=(2,)))
+    rows = [dict(concurrency=8, policy="none", tokens_per_s=100.0), dict(concurrency=8, policy="suffix", tokens_per_s=150.0),
+            dict(concurrency=64, policy="none", tokens_per_s=900.0), dict(concurrency=64, policy="suffix", tokens_per_s=700.0),
+            dict(concurrency=256, policy="none", tokens_per_s=2000.0), dict(concurrency=256, policy="suffix", tokens_per_s=2500.0)]
+    assert SpecSwitch.from_rows(rows).crossover == 8                # the first loss ends it
+    assert SpecSwitch.from_rows(rows[2:]).crossover == 0
+    # the H200 rows with decode CUDA graphs (run 3): NGRAM below none at 8 -> never speculate
+    import json
+    from pathlib import Path
+    h200 = [r for r in json.loads((Path(__file__).parents[1] / "docs/benchmarks/war.json").read_text())["rows"]
+            if r.get("part") == "h200" and r.get("run") == "3"]
+    assert SpecSwitch.from_rows(h200, "ngram").crossover == 0

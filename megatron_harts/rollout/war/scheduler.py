@@ -53,7 +53,10 @@ class SchedulerConfig:
     with its finished sequence, not at every token): the prefix model then credits a replica only
     up to the longest whole earlier prompt or sequence it holds (:class:`PrefixModel` ``checkpoints``).
     On the H200 the token-level model predicted 0.76 hits where SGLang reported 0.64-0.66 on a
-    Qwen3-Next hybrid (docs/war.md)."""
+    Qwen3-Next hybrid (docs/war.md). ``spec_replicas``: replicas that run speculative decoding
+    (SGLang switches speculation per server, so the switch is a choice of replica);
+    ``spec_crossover``: with turns in flight at most this many, turns go to those replicas, above it
+    to the others (:class:`SpecSwitch`; a kind with no usable replica falls back to all)."""
 
     cache_tokens: int = 400_000
     block: int = 16
@@ -64,6 +67,8 @@ class SchedulerConfig:
     max_running: int = 0
     max_trajectories: int = 65536
     hybrid_cache: bool = False
+    spec_replicas: tuple[int, ...] = ()
+    spec_crossover: int = 0
 
     def __post_init__(self):
         if self.block < 1 or self.cache_tokens < self.block:
@@ -73,6 +78,8 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.max_running must be >= 0, got {self.max_running}")
         if self.max_trajectories < 1:
             raise ValueError(f"SchedulerConfig.max_trajectories must be >= 1, got {self.max_trajectories}")
+        if self.spec_crossover < 0:
+            raise ValueError(f"SchedulerConfig.spec_crossover must be >= 0, got {self.spec_crossover}")
 
 
 class PrefixModel:
@@ -153,7 +160,12 @@ class WarScheduler:
         self._max_turns = 1
         self._lock = threading.Lock()
         self.stats = {"turns": 0, "prompt_tokens": 0, "predicted_cached": 0, "reported_cached": 0, "moves": 0,
-                      "started_prompt": 0, "started_cached": 0}
+                      "started_prompt": 0, "started_cached": 0, "spec_turns": 0}
+        bad = [r for r in self.cfg.spec_replicas if not 0 <= r < num_replicas]
+        if bad:
+            raise ValueError(f"SchedulerConfig.spec_replicas: replica {bad[0]} out of range 0..{num_replicas - 1}")
+        self._spec = frozenset(self.cfg.spec_replicas)
+        self.switch = SpecSwitch(self.cfg.spec_crossover)
 
     # -- the pick_engine hook ----------------------------------------------------------------------
     def __call__(self, episode, engines: Sequence[Engine], in_flight: Sequence[int]) -> int:
@@ -175,10 +187,14 @@ class WarScheduler:
             tr.length, tr.turns = len(tokens), turns
             self._max_turns = max(self._max_turns, turns + 1)
             progress = turns / self._max_turns
+            usable = [r for r in range(self.n) if in_flight is None or in_flight[r] < 1 << 20]  # else down/tried
+            if self._spec:                       # speculation by load: a choice of replica kind
+                want = self.switch.speculate(len(self._work))
+                kind = [r for r in usable if (r in self._spec) == want]
+                usable = kind or usable
+                self.stats["spec_turns"] += bool(kind) and want
             best, best_cost, cached_best = 0, float("inf"), 0
-            for r in range(self.n):
-                if in_flight is not None and in_flight[r] >= 1 << 20:
-                    continue                     # down or already tried (the loop's marker)
+            for r in usable:
                 cached = self.models[r].match(tr.hashes, touch=False)
                 cost = cfg.prefill_weight * (len(tokens) - cached) + \
                     cfg.load_weight * (1.0 + cfg.progress_weight * progress) * self.load[r]
@@ -285,8 +301,8 @@ class ScheduledEngine:
 
 
 class SpecSwitch:
-    """Speculation on while the concurrent trajectories are at most ``crossover`` (measured on
-    the target hardware; a parameter on CPU)."""
+    """Speculation on while the turns in flight are at most ``crossover``; :meth:`from_rows` takes
+    the crossover from measured rollout rows instead of a guess."""
 
     def __init__(self, crossover: int):
         if crossover < 0:
@@ -295,3 +311,24 @@ class SpecSwitch:
 
     def speculate(self, concurrent: int) -> bool:
         return concurrent <= self.crossover
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[dict], spec_policy: str = "suffix") -> "SpecSwitch":
+        """The crossover measured: the largest concurrency up to which ``spec_policy``'s tokens/s is
+        at least no speculation's (``none``) at every measured concurrency (``bench_war`` rows with
+        ``concurrency``, ``policy``, ``tokens_per_s``; several rows of a policy and concurrency are
+        averaged). Pass the rows of the configuration that will run (same model, engine flags, CUDA
+        graphs or not). 0 where speculation never paid or nothing comparable was measured."""
+        tps: dict[int, dict[str, list[float]]] = {}
+        for r in rows:
+            if r.get("tokens_per_s") is not None and r.get("concurrency") is not None:
+                tps.setdefault(int(r["concurrency"]), {}).setdefault(r.get("policy"), []).append(float(r["tokens_per_s"]))
+        crossover = 0
+        for conc in sorted(tps):
+            d = {k: sum(v) / len(v) for k, v in tps[conc].items()}
+            if spec_policy not in d or "none" not in d:
+                continue
+            if d[spec_policy] < d["none"]:
+                break
+            crossover = conc
+        return cls(crossover)
