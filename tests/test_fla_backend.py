@@ -297,3 +297,70 @@ def test_fast_launch_finds_the_autotuners_config_by_flas_own_key(monkeypatch):
     assert cfg is two[1] and kwargs["BV"] == 64 and kwargs["num_warps"] == 4
     assert launch.resolve(dict(kw, k=x(torch.float32))) is None
     assert launch.resolve(dict(kw, h0=None)) is None
+
+
+def _tiny_tau_pack(seed: int, turns=(2, 6), max_tokens=300):
+    import dataclasses
+
+    from megatron_harts import workloads as W
+    from megatron_harts.tree import trees_from_trajectories
+    cfg = dataclasses.replace(W.TAU_BENCH_LIKE, num_groups=2, group_size=(3, 4), turns=turns, system_tokens=(20, 40),
+                              task_tokens_median=10, task_tokens_max=20, assistant_tokens_median=8,
+                              assistant_tokens_range=(2, 20), env_tokens_median=12, env_tokens_range=(2, 40),
+                              max_tokens=max_tokens, vocab_size=64, seed=seed)
+    return pack(trees_from_trajectories(W.rollout_trees(cfg)), chunk_size=C)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="counts launches through Triton's interpreter (CPU only)")
+@pytest.mark.parametrize("op", ["gdn", "simple_gla"])
+def test_host_work_per_round_is_the_launch_and_one_state_op(op):
+    """One more round costs, per layer: forward one Triton launch and one aten op (the initial
+    states' gather), backward two launches (the recomputed states, the state gradients) and two
+    aten ops (the gather, the scatter-add of ``dh0`` into the previous round's ``dht``); no
+    per-round slices, allocations or fills (before: 8 aten ops forward, 19 backward)."""
+    import collections
+
+    import triton.runtime.interpreter as interpreter
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n, self.phase = collections.Counter(), "fwd"
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[(self.phase, "aten")] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counts(p):
+        x = _inputs(p.num_tokens, 1, 1, 16, 16, seed=4)
+        x = x[:4] if op == "simple_gla" else x
+        fn = (lambda *a: tree_simple_gla(*a, p, chunk_size=C, backend="fla")) if op == "simple_gla" else \
+            (lambda *a: tree_gated_delta_rule(*a, p, chunk_size=C, backend="fla"))
+        fn(*[t.clone().requires_grad_() for t in x]).sum().backward()     # plans built, launches resolved
+        leaves = [t.clone().requires_grad_() for t in x]
+        run = interpreter.InterpretedFunction.run
+
+        def counted(self, *a, **k):
+            c.n[(c.phase, "triton")] += 1
+            with _disable_current_modes():            # the interpreter's own torch work is not the host's
+                return run(self, *a, **k)
+        interpreter.InterpretedFunction.run = counted
+        try:
+            with Count() as c:
+                out = fn(*leaves)
+                c.phase = "bwd"
+                out.sum().backward()
+        finally:
+            interpreter.InterpretedFunction.run = run
+        return c.n
+
+    by_rounds = {}
+    for seed in (1, 2, 3, 4):
+        p = _tiny_tau_pack(seed)
+        by_rounds.setdefault(chunk_plan(p, C).num_rounds, p)
+    assert len(by_rounds) >= 2, sorted(by_rounds)
+    (r0, p0), (r1, p1) = sorted(by_rounds.items())[:2]
+    a, b = counts(p0), counts(p1)
+    per_round = {k: (b[k] - a[k]) / (r1 - r0) for k in set(a) | set(b)}
+    assert per_round == {("fwd", "aten"): 1, ("fwd", "triton"): 1, ("bwd", "aten"): 2, ("bwd", "triton"): 2}, per_round

@@ -258,7 +258,8 @@ class _Launch:
         if len(tuner.configs) > 1:          # the tuning key as Autotuner.run builds it
             names = self.names
             key = [kw[k] for k in tuner.keys if k in kw and k in names]
-            key += [str(v.dtype) for k, v in kw.items() if k in names and hasattr(v, "dtype")]
+            key += [str(v.dtype) for k, v in kw.items()
+                    if k in names and type(v) not in _NO_DTYPE and hasattr(v, "dtype")]
             cfg = tuner.cache.get(tuple(key))
             if cfg is None:
                 return None
@@ -292,6 +293,8 @@ class _Launch:
             args[name] = fn({**args})
         return AutotuneKey.build(self.tuner.arg_names, self.tuner.keys, (), args).autotune_key
 
+
+_NO_DTYPE = (type(None), bool, int, float, str)      # no ``dtype`` attribute: skip the hasattr
 
 #: fla kernels launched through :class:`_Launch` (module, name): the GDN and simple-GLA recurrences
 FAST_KERNELS = (("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"),
