@@ -7,7 +7,12 @@ without benchmarking). torch ops run on CPU tensors for real (small sizes, so mo
 Outputs are garbage; only the host time counts. Must run in a fresh process (fla must not be
 imported before, nor ``TRITON_INTERPRET=1``).
 
-    PYTHONPATH=. python scripts/tree_gdn_host_cpu.py [--reps 30] [--old] [--json out.json]
+    PYTHONPATH=. python scripts/tree_gdn_host_cpu.py [--reps 50] [--json out.json]
+
+Round loops: the forward recurrence (``fwd``), and the backward's recomputed states plus the
+state gradients (``bwd``), reference (previous) loops vs the current ones; whole op: one
+``TreeGatedDeltaRuleFla`` forward + backward (its CPU gathers at these tiny widths included).
+``launch=no_fast``: the current loops with every launch through fla's heuristics and autotuner.
 """
 from __future__ import annotations
 
@@ -66,14 +71,9 @@ def install_fake_triton_driver() -> None:
 
 
 def tau_like_pack(seed: int = 1, chunk_size: int = 64, capacity: int = 65536, which: int = 0):
-    """The first HARTS microbatch of bench_e2e's tau-like batch (8 tasks), on the host."""
-    import torch
-
-    from scripts.bench_e2e import cost_model_for, microbatches, workload
-    a = argparse.Namespace(tiny=False, tau_groups=8, seed=seed, capacity=capacity, chunk_size=chunk_size,
-                           vocab=32768, pad_multiple=0)
-    mbs = microbatches(workload("tau", a), "harts", a, cost_model_for("moe", a), torch.device("cpu"))
-    return mbs[which]["pack"]
+    """HARTS microbatch ``which`` of bench_e2e's tau-like batch (8 tasks), on the host."""
+    from scripts.bench_tree_gdn_host import tau_like_packs
+    return tau_like_packs(seed, chunk_size, capacity, which)[0]
 
 
 def _median_ms(fn, reps: int) -> dict:
@@ -140,11 +140,11 @@ def main(argv=None):
     for name, r in out.items():
         for fl, m in r.items():
             R = m["rounds"]
-            print(f"{name} ({m['tokens']} tokens, {R} rounds) launch={fl}: round loops ms/call (median) "
-                  f"fwd {m['loops_reference']['fwd']['median']:.3f} -> {m['loops_new']['fwd']['median']:.3f}, "
-                  f"bwd (recompute + grads) {m['loops_reference']['bwd']['median']:.3f} -> "
-                  f"{m['loops_new']['bwd']['median']:.3f}; whole op fwd+bwd "
-                  f"{m['op_fwd_bwd_reference']['median']:.3f} -> {m['op_fwd_bwd_new']['median']:.3f}")
+            f = lambda d: f"{d['min']:.3f} ({d['median']:.3f})"    # noqa: E731
+            print(f"{name} ({m['tokens']} tokens, {R} rounds) launch={fl}: round loops ms/call, min (median), "
+                  f"reference -> new: fwd {f(m['loops_reference']['fwd'])} -> {f(m['loops_new']['fwd'])}, "
+                  f"bwd (recomputed states + grads) {f(m['loops_reference']['bwd'])} -> {f(m['loops_new']['bwd'])}"
+                  f"; whole op fwd+bwd {f(m['op_fwd_bwd_reference'])} -> {f(m['op_fwd_bwd_new'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
