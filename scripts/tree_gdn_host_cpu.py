@@ -101,13 +101,16 @@ def measure(pk, reps: int, heads: int = 1, dim: int = 16, fast_launch: bool = Tr
     q, k, w, u, do, dv = (mk(1, N, H, D) for _ in range(6))
     gc = mk(1, N, H, dt=torch.float32)
     scale = D ** -0.5
-    loops = {
-        "new": {"fwd": lambda: F._round_states(k, w, u, gc, fr),
-                "bwd": lambda: (F._round_states(k, w, u, gc, fr), F._round_state_grads(q, k, w, do, dv, gc, fr, scale))},
-        "reference": {"fwd": lambda: F._round_states_reference(k, w, u, gc, fr, keep_inits=False),
-                      "bwd": lambda: F._round_state_grads_reference(
-                          q, k, w, do, dv, gc, F._round_states_reference(k, w, u, gc, fr, keep_inits=True)[2], fr, scale)},
-    }
+    def new_bwd():
+        F._round_states(k, w, u, gc, fr)
+        F._round_state_grads(q, k, w, do, dv, gc, fr, scale)
+
+    def reference_bwd():
+        inits = F._round_states_reference(k, w, u, gc, fr, keep_inits=True)[2]
+        F._round_state_grads_reference(q, k, w, do, dv, gc, inits, fr, scale)
+    loops = {"new": {"fwd": lambda: F._round_states(k, w, u, gc, fr), "bwd": new_bwd},
+             "reference": {"fwd": lambda: F._round_states_reference(k, w, u, gc, fr, keep_inits=False),
+                           "bwd": reference_bwd}}
     res = {"rounds": len(fr.rounds), "sequences": fr.seq_counts, "tokens": T, "fast_launch": fast_launch}
     for side, fns in loops.items():
         res[f"loops_{side}"] = {ph: _median_ms(fn, reps) for ph, fn in fns.items()}

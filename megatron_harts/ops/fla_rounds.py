@@ -239,6 +239,8 @@ class _Launch:
         self.tuner = tuner if ok else None
         self.names = frozenset(tuner.arg_names) if ok else frozenset()
         self._kwargs = {}                   # id(config) -> (config, config.all_kwargs())
+        from fla.ops.utils import cache as fla_cache
+        self._fla_cache = fla_cache         # its FLA_CACHE_MODE, read per call
 
     def __getitem__(self, grid):
         return lambda *args, **kw: self(grid, *args, **kw)
@@ -246,8 +248,7 @@ class _Launch:
     def fast(self) -> bool:
         if not FAST_LAUNCH or self.tuner is None:
             return False
-        from fla.ops.utils import cache as fla_cache
-        return getattr(getattr(fla_cache, "FLA_CACHE_MODE", None), "value", None) != "always"
+        return getattr(getattr(self._fla_cache, "FLA_CACHE_MODE", None), "value", None) != "always"
 
     def resolve(self, kw: dict):
         """(config, its kwargs) for ``kw`` (the heuristics' values are added to it), or None: not
