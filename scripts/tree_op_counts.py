@@ -78,10 +78,16 @@ def _source() -> str:
 
 
 class LayerCounter(OpCounter):
-    """``OpCounter`` whose launches and syncs are attributed to :data:`SOURCES` (region)."""
+    """``OpCounter`` whose launches and syncs are attributed to :data:`SOURCES` (region); also
+    counts every aten op (``aten``: launches plus views, allocations and syncs, i.e. each
+    dispatch the host pays for)."""
 
     def _region(self) -> str:
         return _source()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[(self.phase, _source(), "aten")] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 @contextlib.contextmanager

@@ -4,6 +4,8 @@ Without CUDA the fla kernels run in Triton's interpreter (``tests/fla_interpret.
 by conftest), so CI on CPU checks the same kernel calls, round fusion and state handoffs the
 H200 runs; inputs are fp32 and small (chunk 16, K=V=16) to keep the interpreter fast.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -236,3 +238,129 @@ def test_causal_conv1d_fla_strided_input_no_bias_no_activation():
     def fn(wide, w, backend):
         return tree_causal_conv1d(wide[:, 4:12], w, None, p, activation=None, backend=backend)
     _check_backends(fn, [wide, w])
+
+
+@pytest.mark.parametrize("op", ["gdn", "gdn_l2norm", "simple_gla"])
+def test_round_loops_bitwise_equal_to_reference_loops(op, monkeypatch):
+    """The round loops on the all-rounds tensors (one buffer per call for the states, cached
+    launch resolution) give bitwise the outputs and gradients of the previous loops (per-round
+    slices and allocations, every launch through fla's heuristics and autotuner), on a pack of
+    several rounds with fan-out; every cached launch is checked against a fresh resolution."""
+    from megatron_harts import workloads as W
+    from megatron_harts.ops import fla_rounds
+    from megatron_harts.tree import trees_from_trajectories
+    monkeypatch.setattr(fla_rounds._Launch, "check", True)
+    import dataclasses
+    cfg = dataclasses.replace(W.TAU_BENCH_LIKE, num_groups=2, group_size=(3, 4), turns=(2, 4), system_tokens=(20, 40),
+                              task_tokens_median=10, task_tokens_max=20, assistant_tokens_median=8,
+                              assistant_tokens_range=(2, 20), env_tokens_median=12, env_tokens_range=(2, 40),
+                              max_tokens=200, vocab_size=64, seed=3)       # bench_e2e's tiny tau-like batch
+    p = pack(trees_from_trajectories(W.rollout_trees(cfg)), chunk_size=C).to(DEV)
+    assert chunk_plan(p, C).num_rounds >= 3
+    x = _inputs(p.num_tokens, 1, 2, 16, 16, seed=9)
+    if op == "simple_gla":
+        x = [x[0], x[1], x[2][:, :1].contiguous(), x[3][:, :1].contiguous()]
+        fn = lambda *a: tree_simple_gla(*a, p, chunk_size=C, backend="fla")   # noqa: E731
+    else:
+        fn = lambda *a: tree_gated_delta_rule(*a, p, chunk_size=C, backend="fla",   # noqa: E731
+                                              use_qk_l2norm_in_kernel=op == "gdn_l2norm")
+    res = []
+    for ref in (True, False, False):                  # the second new run: every launch on the cached path
+        with fla_rounds.reference_round_loops() if ref else contextlib.nullcontext():
+            leaves = [t.detach().clone().requires_grad_(True) for t in x]
+            out = fn(*leaves)
+            do = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEV)
+            res.append([out.detach()] + list(torch.autograd.grad((out * do).sum(), leaves)))
+    for got in res[1:]:
+        for n, (a, b) in enumerate(zip(got, res[0])):
+            assert torch.equal(a, b), f"{op}: {'output' if n == 0 else f'grad {n - 1}'} differs"
+
+
+def test_fast_launch_finds_the_autotuners_config_by_flas_own_key(monkeypatch):
+    """``_Launch.resolve`` builds the tuning key as fla's autotuner does (heuristics first, then
+    key ints and every tensor's dtype): with two configs and one tuned key, a call with that key
+    gets its config, a call with another dtype or without ``h0`` (another heuristic, another key)
+    gets None (the normal path, which tunes)."""
+    import triton
+
+    from megatron_harts.ops import fla_rounds
+    launch = fla_rounds.install_fast_launches()["chunk_gated_delta_rule_fwd_kernel_h_blockdim64"]
+    tuner = launch.tuner
+    two = [triton.Config({"BV": 32}, num_warps=2), triton.Config({"BV": 64}, num_warps=4)]
+    x = lambda dt=torch.bfloat16: torch.zeros(1, 4, 2, 16, dtype=dt)   # noqa: E731
+    kw = dict(k=x(), v=x(), w=x(), v_new=x(), g=torch.zeros(1, 4, 2), gk=None, h=x(), h0=torch.zeros(1, 2, 16, 16),
+              ht=None, cu_seqlens=torch.zeros(2, dtype=torch.long), chunk_offsets=torch.zeros(2, dtype=torch.long),
+              T=4, H=2, HV=2, K=16, V=16, BT=16, STATE_V_FIRST=False)
+    monkeypatch.setattr(tuner, "configs", two)
+    monkeypatch.setattr(tuner, "cache", {launch._fla_key(kw): two[1]})
+    cfg, kwargs = launch.resolve(dict(kw))
+    assert cfg is two[1] and kwargs["BV"] == 64 and kwargs["num_warps"] == 4
+    assert launch.resolve(dict(kw, k=x(torch.float32))) is None
+    assert launch.resolve(dict(kw, h0=None)) is None
+
+
+def _tiny_tau_pack(seed: int, turns=(2, 6), max_tokens=300):
+    import dataclasses
+
+    from megatron_harts import workloads as W
+    from megatron_harts.tree import trees_from_trajectories
+    cfg = dataclasses.replace(W.TAU_BENCH_LIKE, num_groups=2, group_size=(3, 4), turns=turns, system_tokens=(20, 40),
+                              task_tokens_median=10, task_tokens_max=20, assistant_tokens_median=8,
+                              assistant_tokens_range=(2, 20), env_tokens_median=12, env_tokens_range=(2, 40),
+                              max_tokens=max_tokens, vocab_size=64, seed=seed)
+    return pack(trees_from_trajectories(W.rollout_trees(cfg)), chunk_size=C)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="counts launches through Triton's interpreter (CPU only)")
+@pytest.mark.parametrize("op", ["gdn", "simple_gla"])
+def test_host_work_per_round_is_the_launch_and_one_state_op(op):
+    """One more round costs, per layer: forward one Triton launch and one aten op (the initial
+    states' gather), backward two launches (the recomputed states, the state gradients) and two
+    aten ops (the gather, the scatter-add of ``dh0`` into the previous round's ``dht``); no
+    per-round slices, allocations or fills (before: 8 aten ops forward, 19 backward)."""
+    import collections
+
+    import triton.runtime.interpreter as interpreter
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n, self.phase = collections.Counter(), "fwd"
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[(self.phase, "aten")] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counts(p):
+        x = _inputs(p.num_tokens, 1, 1, 16, 16, seed=4)
+        x = x[:4] if op == "simple_gla" else x
+        fn = (lambda *a: tree_simple_gla(*a, p, chunk_size=C, backend="fla")) if op == "simple_gla" else \
+            (lambda *a: tree_gated_delta_rule(*a, p, chunk_size=C, backend="fla"))
+        fn(*[t.clone().requires_grad_() for t in x]).sum().backward()     # plans built, launches resolved
+        leaves = [t.clone().requires_grad_() for t in x]
+        run = interpreter.InterpretedFunction.run
+
+        def counted(self, *a, **k):
+            c.n[(c.phase, "triton")] += 1
+            with _disable_current_modes():            # the interpreter's own torch work is not the host's
+                return run(self, *a, **k)
+        interpreter.InterpretedFunction.run = counted
+        try:
+            with Count() as c:
+                out = fn(*leaves)
+                c.phase = "bwd"
+                out.sum().backward()
+        finally:
+            interpreter.InterpretedFunction.run = run
+        return c.n
+
+    by_rounds = {}
+    for seed in (1, 2, 3, 4):
+        p = _tiny_tau_pack(seed)
+        by_rounds.setdefault(chunk_plan(p, C).num_rounds, p)
+    assert len(by_rounds) >= 2, sorted(by_rounds)
+    (r0, p0), (r1, p1) = sorted(by_rounds.items())[:2]
+    a, b = counts(p0), counts(p1)
+    per_round = {k: (b[k] - a[k]) / (r1 - r0) for k in set(a) | set(b)}
+    assert per_round == {("fwd", "aten"): 1, ("fwd", "triton"): 1, ("bwd", "aten"): 2, ("bwd", "triton"): 2}, per_round

@@ -92,8 +92,9 @@ def tree_gated_delta_rule(q, k, v, g, beta, pack: TreePack, *, chunk_size: int =
     if use_qk_l2norm_in_kernel and backend == "torch":
         q, k = l2norm(q), l2norm(k)
     if backend == "fla":
-        from .fla_rounds import TreeGatedDeltaRuleFla, fused_rounds
+        from .fla_rounds import TreeGatedDeltaRuleFla, fused_rounds, install_fast_launches
 
+        install_fast_launches()     # the recurrence kernels' launch path, the same for both branches
         if pack.is_chain and chunk_size in FLA_GDN_CHUNK_SIZES:
             return _chain_gated_delta_rule(q, k, v, g, beta, pack, chunk_size, scale, use_qk_l2norm_in_kernel)
         return TreeGatedDeltaRuleFla.apply(q, k, v, g, beta, fused_rounds(pack, chunk_size), _scale(scale, q),
