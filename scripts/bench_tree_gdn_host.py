@@ -5,8 +5,8 @@ Paths, interleaved rep by rep:
   reference    ``fla_rounds.reference_round_loops()``: per-round slices and allocations, every
                recurrence launch through fla's ``triton.heuristics`` + autotuner (the old code)
   new_no_fast  the round loops on the all-rounds tensors, launches the normal way
-               (``fla_rounds.FAST_LAUNCH = False``, as ``HARTS_FLA_FAST_LAUNCH=0``)
-  new          the round loops on the all-rounds tensors with ``_Launch`` (the default)
+               (``fla_rounds.FAST_LAUNCH = False``: the default)
+  new          the round loops on the all-rounds tensors with ``_Launch`` (``HARTS_FLA_FAST_LAUNCH=1``)
 and the trajectory-wise baseline (fla's ``chunk_gated_delta_rule`` on the same trajectories as a
 chain pack, THD as bench_e2e's baseline) with and without ``_Launch`` for its recurrence kernels
 (``chain_no_fast`` / ``chain``: both sides get the same launch path).
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
 
     from megatron_harts.ops import chunk_plan, tree_gated_delta_rule
     from megatron_harts.ops import fla_rounds as FR
+    FR.install_fast_launches(into_fla=True)   # both sides: FAST_LAUNCH then switches the fast path per path
 
     t_start = time.perf_counter()
     dev = torch.device(DEVICE)

@@ -240,8 +240,9 @@ def test_causal_conv1d_fla_strided_input_no_bias_no_activation():
     _check_backends(fn, [wide, w])
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["launch", "fast_launch"])
 @pytest.mark.parametrize("op", ["gdn", "gdn_l2norm", "simple_gla"])
-def test_round_loops_bitwise_equal_to_reference_loops(op, monkeypatch):
+def test_round_loops_bitwise_equal_to_reference_loops(op, fast, monkeypatch):
     """The round loops on the all-rounds tensors (one buffer per call for the states, cached
     launch resolution) give bitwise the outputs and gradients of the previous loops (per-round
     slices and allocations, every launch through fla's heuristics and autotuner), on a pack of
@@ -250,6 +251,7 @@ def test_round_loops_bitwise_equal_to_reference_loops(op, monkeypatch):
     from megatron_harts.ops import fla_rounds
     from megatron_harts.tree import trees_from_trajectories
     monkeypatch.setattr(fla_rounds._Launch, "check", True)
+    monkeypatch.setattr(fla_rounds, "FAST_LAUNCH", fast)        # off by default (HARTS_FLA_FAST_LAUNCH=1)
     import dataclasses
     cfg = dataclasses.replace(W.TAU_BENCH_LIKE, num_groups=2, group_size=(3, 4), turns=(2, 4), system_tokens=(20, 40),
                               task_tokens_median=10, task_tokens_max=20, assistant_tokens_median=8,

@@ -194,8 +194,11 @@ def _round_state_grads_reference(q, k, w, do, dv, gc, inits, fr: FusedRounds, sc
 
 # ------------------------------------------------------------------------------------------------ launches
 
-#: ``HARTS_FLA_FAST_LAUNCH=0``: every launch through fla's heuristics and autotuner (as before)
-FAST_LAUNCH = os.environ.get("HARTS_FLA_FAST_LAUNCH", "1") != "0"
+#: ``HARTS_FLA_FAST_LAUNCH=1``: the recurrence launches through :class:`_Launch`, on both sides
+#: (fla's own modules then hold the wrappers). Off by default: it re-implements the lookup of
+#: Triton's autotuner (checked against fla's key code on CPU, Triton 3.8) and has not run on the
+#: H200's Triton 3.7.1; ``scripts/bench_tree_gdn_host.py`` measures it there.
+FAST_LAUNCH = os.environ.get("HARTS_FLA_FAST_LAUNCH", "0") == "1"
 _REFERENCE = False
 
 
@@ -312,21 +315,23 @@ def _original(module: str, name: str):
     return kernel.kernel if isinstance(kernel, _Launch) else kernel
 
 
-def install_fast_launches() -> dict[str, _Launch]:
-    """Route the recurrence kernels of :data:`FAST_KERNELS` through :class:`_Launch`, for this
-    module's round loops and for fla's own wrappers, which look the kernel up in their module at
-    each call: ``chunk_gated_delta_rule_fwd_h`` / ``_bwd_dhu`` (the trajectory-wise baseline's
-    ``chunk_gated_delta_rule``) and ``chunk_fwd_h`` / ``chunk_bwd_dh``. The module attribute
-    becomes the :class:`_Launch`, so both sides of the benchmarks launch these kernels the same
-    way (``HARTS_FLA_FAST_LAUNCH=0``: both the normal way). Idempotent; returns name -> launch."""
-    if len(_LAUNCHES) < len(FAST_KERNELS):
-        import importlib
-        for module, name in FAST_KERNELS:
-            mod = importlib.import_module(module)
-            kernel = getattr(mod, name)
-            launch = kernel if isinstance(kernel, _Launch) else _Launch(kernel)
+def install_fast_launches(into_fla: bool | None = None) -> dict[str, _Launch]:
+    """The :class:`_Launch` of each kernel of :data:`FAST_KERNELS` (name -> launch; this module's
+    round loops call them; each takes the fast path only while :data:`FAST_LAUNCH` is on).
+    ``into_fla`` (default: :data:`FAST_LAUNCH`): also put them in fla's modules, whose wrappers look
+    the kernel up at each call (``chunk_gated_delta_rule_fwd_h`` / ``_bwd_dhu``: the
+    trajectory-wise baseline's ``chunk_gated_delta_rule``; ``chunk_fwd_h`` / ``chunk_bwd_dh``), so
+    both sides of a benchmark launch these kernels the same way. Off (the default), fla is left
+    untouched. Idempotent."""
+    import importlib
+    into_fla = FAST_LAUNCH if into_fla is None else into_fla
+    for module, name in FAST_KERNELS:
+        mod = importlib.import_module(module)
+        launch = _LAUNCHES.get(name)
+        if launch is None:
+            launch = _LAUNCHES[name] = _Launch(_original(module, name))
+        if into_fla and getattr(mod, name) is not launch:
             setattr(mod, name, launch)
-            _LAUNCHES[name] = launch
     return _LAUNCHES
 
 
