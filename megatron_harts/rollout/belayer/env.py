@@ -410,7 +410,9 @@ class CheckpointedEnv:
         resume uses it; ``state``: base64 pickle of the runtime attributes that differ from a fresh
         environment's (None when one of them cannot be pickled: a resume then falls back to the
         initial state + replay of every action). Does not wait for a copy in progress."""
-        ck = next(c for c in reversed(self.checkpoints) if c.error is None and c.ready.is_set())
+        ck = next((c for c in reversed(self.checkpoints) if c.error is None and c.ready.is_set()), None)
+        if ck is None:                       # not even the initial copy worked: a resume replays from turn 0
+            return {"turn": 0, "files": None, "digest": None, "state": None}
         if ck.durable is None:
             ck.durable = {"turn": ck.turn, "files": str(ck.files) if ck.files is not None else None,
                           "digest": _digest(ck.fingerprint), "state": self._state_blob(ck.state)}
@@ -688,6 +690,7 @@ class BelayerAgentLoop(AgentLoop):
         self.resume_stats = {"finished_before_crash": len(finished),
                              "rebuilt": sum(1 for p in todo if p[4] is not None and p[4].turns),
                              "restarted": sum(1 for p in todo if p[4] is None or not p[4].turns),
+                             "branches_from_parent": sum(1 for p in todo if p[5] and p[4] is not None),
                              "turns_restored": sum(len(ep.turns) for ep, _ in built),
                              "cuts_on_resume": sum(1 for _, c in built if c > 0),
                              "torn_line": st.torn, "rebuild_s": round(time.monotonic() - t0, 3)}
