@@ -166,9 +166,11 @@ def test_a_journal_of_another_rollout_or_a_corrupt_one_is_refused(tmp_path):
     with pytest.raises(JournalError, match=rf"^{path}:1: field 'config.max_new_tokens': the journal has 12, "
                                            rf"this rollout has 13"):
         _loop(tmp_path, other).rollout(drv.TASKS, drv.GROUPS, resume=True)
-    with pytest.raises(JournalError, match=rf"^{path}:1: field 'tasks\[2\]': the journal has '2', this rollout has '7'"):
+    with pytest.raises(JournalError,
+                       match=rf"^{path}:1: field 'tasks\[2\]': the journal has '2', this rollout has '7'"):
         _loop(tmp_path).rollout([0, 1, 7, 3, 4, 5], drv.GROUPS, resume=True)
-    with pytest.raises(JournalError, match=rf"^{path}:1: field 'group_ids\[5\]': the journal has 't5', this rollout has 'x'"):
+    with pytest.raises(JournalError,
+                       match=rf"^{path}:1: field 'group_ids\[5\]': the journal has 't5', this rollout has 'x'"):
         _loop(tmp_path).rollout(drv.TASKS, drv.GROUPS[:-1] + ["x"], resume=True)
 
     good = path.read_bytes()

@@ -550,7 +550,8 @@ class BelayerAgentLoop(AgentLoop):
             return ep
         if self._journal is not None:
             from .journal import episode_record
-            self._journal.write(episode_record("turn" if len(ep.turns) > n0 else "end", ep, self._journal.root), sync=ep.done)
+            rec = episode_record("turn" if len(ep.turns) > n0 else "end", ep, self._journal.root)
+            self._journal.write(rec, sync=ep.done)
         return ep
 
     # -- the journal (resume after a crash of this process) ----------------------------------------
