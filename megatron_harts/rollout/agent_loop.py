@@ -362,7 +362,7 @@ class AgentLoop:
                     ep.env.close()
                     continue
                 forks = []
-                if cfg.branch_factor > 1 and len(ep.turns) == cfg.branch_turn and len(ep.path) == 1:  # once
+                if cfg.branch_factor > 1 and len(ep.turns) == cfg.branch_turn and len(ep.path) == 1:
                     tf = time.perf_counter()
                     for k in range(1, cfg.branch_factor):
                         try:
