@@ -266,13 +266,7 @@ class AgentLoop:
         cfg = self.cfg
         t0 = time.perf_counter()
         group_ids = list(group_ids) if group_ids is not None else [f"task{i}" for i in range(len(tasks))]
-        running: list[Episode] = []
-        for task, gid in zip(tasks, group_ids):
-            for s in range(cfg.group_size):
-                env = self.env_factory(task)
-                prompt = [self.tok.token_id(BOS)] + self.tok.encode(env.prompt())
-                running.append(Episode(gid, (s,), env, prompt, [0] * len(prompt), [0.0] * len(prompt)))
-        finished: list[Episode] = []
+        running, finished = self._initial_episodes(tasks, group_ids)
         failed: list[tuple[str, str]] = []
         pending: dict[Future, Episode] = {}
         queue = self.turn_queue
@@ -323,6 +317,19 @@ class AgentLoop:
                          len(failed) + len(finished), failed[:3])
         return RolloutResult(trajs, failed, stats)
 
+    def _new_episode(self, task: object, gid: str, sample: int) -> Episode:
+        """A fresh episode of ``task``: its environment and the prompt's tokens."""
+        env = self.env_factory(task)
+        prompt = [self.tok.token_id(BOS)] + self.tok.encode(env.prompt())
+        return Episode(gid, (sample,), env, prompt, [0] * len(prompt), [0.0] * len(prompt))
+
+    def _initial_episodes(self, tasks: Sequence[object], group_ids: list[str]) -> tuple[list[Episode], list[Episode]]:
+        """``(episodes to run, episodes already finished)`` at the start of a rollout: here
+        ``group_size`` fresh episodes per task and none finished (a journaled loop resuming after a
+        crash returns the rebuilt and the finished ones, ``belayer.journal``)."""
+        return [self._new_episode(task, gid, s) for task, gid in zip(tasks, group_ids)
+                for s in range(self.cfg.group_size)], []
+
     def _signals(self, ep: Episode) -> TurnSignals:
         if "program" not in ep.info:
             ep.info["program"] = next(self._programs)
@@ -355,7 +362,7 @@ class AgentLoop:
                     ep.env.close()
                     continue
                 forks = []
-                if cfg.branch_factor > 1 and len(ep.turns) == cfg.branch_turn:
+                if cfg.branch_factor > 1 and len(ep.turns) == cfg.branch_turn and len(ep.path) == 1:
                     tf = time.perf_counter()
                     for k in range(1, cfg.branch_factor):
                         try:

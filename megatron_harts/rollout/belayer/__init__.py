@@ -8,6 +8,9 @@
   (:class:`CheckpointedEnv`: incremental file-system checkpoints, runtime state by replay of the
   logged actions) and prefix consistency with the model's context (:class:`BelayerAgentLoop` cuts
   a trajectory back to the turn its environment was restored to);
+* :mod:`.journal`: a write-ahead journal of every episode at its turn boundaries
+  (``BelayerAgentLoop(journal=DIR)``) from which a new process resumes a rollout after the client
+  process crashed (``rollout(..., resume=True)``);
 * :mod:`.faults`: fault injection (SIGKILL of engine servers and sandbox commands, hung and
   garbage-printing tools, lost sandboxes) and the checker (every trajectory replayed in a fresh
   environment, compared with a fault-free rollout);

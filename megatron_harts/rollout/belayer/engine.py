@@ -96,8 +96,9 @@ class RequestRecord:
 class TokenLog:
     """Thread-safe request records, keyed by rid; ``path``: also append each event as a JSON line
     (``{"rid", "prompt"}`` once, then ``{"rid", "ids", "logprobs"}`` per streamed piece and
-    ``{"rid", "finish"}``) so a restarted client could resume from the file (not done here: the
-    records of this process are what :class:`ResumableEngine` resumes from).
+    ``{"rid", "finish"}``). Nothing reads the file back: the records of this process are what
+    :class:`ResumableEngine` resumes from, and after a crash of the client process the episode
+    journal (:mod:`.journal`) resumes at turn boundaries, regenerating the turn in flight.
 
     Memory stays bounded over a long run: a request in flight is never dropped; a finished one
     releases its prompt (only a resume reads it; ``prompt_len`` stays) and at most ``keep`` finished

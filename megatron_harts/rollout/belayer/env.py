@@ -36,11 +36,15 @@ replayed from the start.
 """
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
 import itertools
 import logging
 import os
+import pickle
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -80,6 +84,7 @@ class Checkpoint:
     seconds: float = 0.0
     ready: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    durable: dict | None = None        # its journal entry (CheckpointedEnv.durable_checkpoint), made once
 
 
 @dataclass
@@ -158,7 +163,11 @@ class CheckpointedEnv:
         self._thread: threading.Thread | None = None
         self._suspects: set[tuple] = set()      # (turn, action, why, observation) seen once
         self._frozen: dict[str, Any] = {}          # attributes whose deep copy is themselves (see _state)
+        self._keep = False                         # keep the checkpoint copies at close (journal)
         self._checkpoint("initial" if not self.actions else "inline")
+        # the runtime state of a fresh environment of this task (a fork: its root's): what the
+        # journal leaves out of a checkpoint's state (see durable_checkpoint)
+        self._base_state: dict = self.checkpoints[0].state if _log is None else {}
 
     # -- Environment protocol ---------------------------------------------------------------------
     def prompt(self) -> str:
@@ -219,16 +228,19 @@ class CheckpointedEnv:
     def fork(self) -> "CheckpointedEnv":
         self._wait_checkpoint()
         inner = self.env.fork()
-        return CheckpointedEnv(self._make, policy=self.policy, recovery=self.recovery, max_retries=self.max_retries,
-                               root=self._root, break_recovery=self.break_recovery, _inner=inner,
-                               _log=(self.actions, self.results))
+        child = CheckpointedEnv(self._make, policy=self.policy, recovery=self.recovery, max_retries=self.max_retries,
+                                root=self._root, break_recovery=self.break_recovery, _inner=inner,
+                                _log=(self.actions, self.results))
+        child._keep, child._base_state = self._keep, self._base_state
+        return child
 
     def close(self) -> None:
         self._wait_checkpoint()
         try:
             self.env.close()
         finally:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            if not self._keep:
+                shutil.rmtree(self._dir, ignore_errors=True)
 
     def __getattr__(self, name):          # family attributes (e.g. LookupEnv.solution) pass through
         if name.startswith("_") or name in ("env",):
@@ -371,6 +383,97 @@ class CheckpointedEnv:
         for i in range(ck.turn, upto):
             self.env.step(self.actions[i])
 
+    # -- durability across a crash of the client process (belayer.journal) -----------------------
+    def keep_checkpoints_in(self, root: str | Path) -> None:
+        """Make the checkpoint copies (this environment's and its forks') under ``root``, a
+        directory another process can read (the journal's ``snapshots/``), and keep them when the
+        environment is closed (the journal deletes them once the rollout is complete). Copies made
+        before are moved there."""
+        self._wait_checkpoint()
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        new = Path(tempfile.mkdtemp(prefix=f"harts-ckpt-{os.getpid()}-", dir=root))
+        for ck in self.checkpoints:
+            if ck.files is not None and ck.files.parent == self._dir:
+                dest = new / ck.files.name
+                if not dest.exists():        # an "unchanged" checkpoint shares its predecessor's copy
+                    shutil.move(str(ck.files), dest)
+                ck.files = dest
+                ck.durable = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._dir, self._root, self._keep = new, str(root), True
+
+    def durable_checkpoint(self) -> dict:
+        """The newest checkpoint whose copy is complete, as the journal stores it (JSON-able, made
+        once per checkpoint): ``turn``; ``files``: the upper-dir copy's absolute path (None: nothing
+        written); ``digest``: sha1 of the copy's (path, mode, size) entries, checked before a
+        resume uses it; ``state``: base64 pickle of the runtime attributes that differ from a fresh
+        environment's (None when one of them cannot be pickled: a resume then falls back to the
+        initial state + replay of every action). Does not wait for a copy in progress."""
+        ck = next((c for c in reversed(self.checkpoints) if c.error is None and c.ready.is_set()), None)
+        if ck is None:                       # not even the initial copy worked: a resume replays from turn 0
+            return {"turn": 0, "files": None, "digest": None, "state": None}
+        if ck.durable is None:
+            ck.durable = {"turn": ck.turn, "files": str(ck.files) if ck.files is not None else None,
+                          "digest": _digest(ck.fingerprint), "state": self._state_blob(ck.state)}
+        return ck.durable
+
+    def _state_blob(self, state: dict) -> str | None:
+        base, out = self._base_state, {}
+        for k, v in state.items():
+            if k in base and base[k] is v:
+                continue
+            try:
+                out[k] = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:          # noqa: BLE001 - unpicklable: fine if it is the fresh env's value
+                try:
+                    same = k in base and bool(base[k] == v)
+                except Exception:      # noqa: BLE001
+                    same = False
+                if not same:
+                    log.warning("%s: attribute %r cannot be pickled: a resume replays from turn 0",
+                                self.task_id, k)
+                    return None
+        return base64.b64encode(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)).decode()
+
+    def resume_from(self, actions: list[str], results: list[StepResult], ckpt: dict | None,
+                    break_resume: str | None = None) -> int:
+        """Rebuild, in this fresh environment (just made by the factory, in a new process), the
+        state a crashed process journaled: the log ``actions`` / ``results`` (one per turn) and its
+        newest durable checkpoint ``ckpt`` (:meth:`durable_checkpoint`). The checkpoint (its copy
+        and runtime state) becomes this environment's, then :meth:`restore` brings it to the last
+        logged turn (replay, compared with the log, or none with ``recovery="checkpoint"``). A copy
+        that is gone or incomplete (digest) or a state that could not be saved falls back to turn 0
+        (logged). Returns the turn reached (``< len(actions)``: the caller cuts the context there).
+        ``break_resume="ignore_snapshot"``: only for proving the test, the copy is not restored."""
+        self._wait_checkpoint()
+        base = self.checkpoints[0]
+        self.actions, self.results = list(actions), list(results)
+        use = None
+        if ckpt is not None and ckpt["turn"] > 0:
+            files = Path(ckpt["files"]) if ckpt.get("files") else None
+            problem = None
+            if ckpt.get("state") is None:
+                problem = "its runtime state was not saved"
+            elif ckpt["turn"] > len(actions):
+                problem = f"it is after the last logged turn {len(actions)}"
+            elif files is not None and not files.is_dir():
+                problem = f"its copy {files} is gone"
+            elif files is not None and _digest(_fingerprint(files)) != ckpt.get("digest"):
+                problem = f"its copy {files} is incomplete (digest)"
+            if problem is not None:
+                log.warning("%s: journaled checkpoint of turn %d unusable (%s): restoring from turn 0", self.task_id,
+                            ckpt["turn"], problem)
+            else:
+                state = dict(base.state)
+                state.update({k: pickle.loads(v) for k, v in pickle.loads(base64.b64decode(ckpt["state"])).items()})
+                use = Checkpoint(ckpt["turn"], None if break_resume == "ignore_snapshot" else files, state, None,
+                                 "journal")
+                use.durable = dict(ckpt)
+                use.ready.set()
+        self.checkpoints = [base] + ([use] if use is not None else [])
+        return self.restore(len(self.actions), cause="client crash")
+
     def recreate_and_replay(self, turn: int | None = None) -> float:
         """The baseline recovery: a fresh environment, the logged actions ``1..turn`` (default:
         all) replayed from the start; returns seconds. Replaces the inner environment."""
@@ -387,6 +490,15 @@ class CheckpointedEnv:
         return time.monotonic() - t0
 
 
+def _digest(fingerprint: tuple | None) -> str | None:
+    """sha1 of a :func:`_fingerprint`'s (path, mode, size) entries (times and directory sizes
+    left out: they depend on the file system the copy is on); None for None."""
+    if fingerprint is None:
+        return None
+    return hashlib.sha1(repr([(e[0], e[1], 0 if stat.S_ISDIR(e[1]) else e[2]) for e in fingerprint]).encode()
+                        ).hexdigest()
+
+
 def _same(a: StepResult, b: StepResult) -> bool:
     return a.observation == b.observation and a.done == b.done and a.reward == b.reward
 
@@ -397,23 +509,194 @@ class BelayerAgentLoop(AgentLoop):
     an earlier turn ``k``), the episode's context (tokens, loss mask, log-probs, turns) is cut back
     to the end of turn ``k``'s observation and the episode goes on from there (the next turn is
     generated again). Use it with :class:`CheckpointedEnv` environments and, for engine failures,
-    :class:`~.engine.ResumableEngine` engines. Cuts are counted in ``Episode.info["cuts"]``."""
+    :class:`~.engine.ResumableEngine` engines. Cuts are counted in ``Episode.info["cuts"]``.
+
+    ``journal``: a directory: every turn boundary is journaled there (:mod:`.journal`) and the
+    environments' checkpoint copies are kept under it, so that ``rollout(..., resume=True)`` in a
+    new process, after this one crashed, rebuilds the unfinished episodes and returns all
+    trajectories (those finished before the crash from the journal). ``journal_fsync_s``: see
+    :class:`~.journal.Journal`. ``break_resume``: only for proving the tests (``"ignore_snapshot"``:
+    the environments are rebuilt without their checkpoint's files; ``"rerun_finished"``: episodes
+    finished before the crash are run again)."""
 
     max_cuts: int = 8
 
+    def __init__(self, *args, journal: str | os.PathLike | None = None, journal_fsync_s: float = 1.0,
+                 break_resume: str | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.journal_dir, self.journal_fsync_s, self.break_resume = journal, journal_fsync_s, break_resume
+        self._journal = None
+        self._resume_state = None
+        self.resume_stats: dict[str, Any] = {}
+
+    def _cut(self, ep: Episode, k: int, reason: str) -> None:
+        """Cut ``ep``'s context back to the end of turn ``k``'s observation."""
+        end = ep.turns[k].start if k < len(ep.turns) else len(ep.tokens)
+        del ep.tokens[end:], ep.loss_mask[end:], ep.logprobs[end:], ep.turns[k:]
+        ep.info["cuts"] = ep.info.get("cuts", 0) + 1
+        logger_cut.warning("%s: context cut back to turn %d (%s)", ep.traj_id, k, reason)
+
     def _advance(self, ep: Episode) -> Episode:
+        n0 = len(ep.turns)
         try:
-            return super()._advance(ep)
+            super()._advance(ep)
         except PrefixCut as cut:
-            k = cut.turn
-            n_cuts = ep.info.get("cuts", 0) + 1
-            if n_cuts > self.max_cuts:
+            if ep.info.get("cuts", 0) + 1 > self.max_cuts:
                 raise
-            end = ep.turns[k].start if k < len(ep.turns) else len(ep.tokens)
-            del ep.tokens[end:], ep.loss_mask[end:], ep.logprobs[end:], ep.turns[k:]
-            ep.info["cuts"] = n_cuts
-            logger_cut.warning("%s: context cut back to turn %d (%s)", ep.traj_id, k, cut.reason)
+            self._cut(ep, cut.turn, cut.reason)
+            if self._journal is not None:
+                from .journal import episode_record
+                self._journal.write(episode_record("cut", ep, self._journal.root, keep=cut.turn))
             return ep
+        if self._journal is not None:
+            from .journal import episode_record
+            rec = episode_record("turn" if len(ep.turns) > n0 else "end", ep, self._journal.root)
+            self._journal.write(rec, sync=ep.done)
+        return ep
+
+    # -- the journal (resume after a crash of this process) ----------------------------------------
+    def rollout(self, tasks, group_ids=None, resume: bool = False):
+        """As :meth:`AgentLoop.rollout`; with ``journal``: journaled, and ``resume=True`` continues
+        the journal a crashed process left (a missing or empty journal: a fresh start). A journal
+        of another config or other tasks raises :class:`~.journal.JournalError`. Without
+        ``journal``, ``resume`` is an error."""
+        if self.journal_dir is None:
+            if resume:
+                raise ValueError("rollout(resume=True) needs BelayerAgentLoop(journal=DIR)")
+            return super().rollout(tasks, group_ids)
+        from .journal import Journal
+        group_ids = list(group_ids) if group_ids is not None else [f"task{i}" for i in range(len(tasks))]
+        journal = Journal(self.journal_dir, fsync_s=self.journal_fsync_s)
+        self._resume_state = journal.open(self.cfg, tasks, group_ids, resume)
+        self.resume_stats = {}
+        self._journal = journal
+        try:
+            if self._resume_state is not None and self._resume_state.complete is not None:
+                res = self._completed(group_ids)
+            else:
+                res = super().rollout(tasks, group_ids)
+                journal.complete(res.failed)
+        finally:
+            self._journal = None
+            journal.close()
+        res.stats["journal"] = dict(self.resume_stats, records_written=journal.n_written)
+        return res
+
+    def _completed(self, group_ids):
+        """A journal that completed: its trajectories (and failures) as journaled, nothing run."""
+        from ..agent_loop import RolloutResult
+        st = self._resume_state
+        finished = [self._finished_episode(e) for e in st.episodes.values() if e.done]
+        failed = [tuple(f) for f in st.complete.get("failed", [])]
+        self.resume_stats = {"already_complete": True, "finished_before_crash": len(finished)}
+        trajs = self._trajectories(finished)
+        return RolloutResult(trajs, failed, {"trajectories": len(trajs), "failed": len(failed)})
+
+    def _finished_episode(self, elog) -> Episode:
+        tokens, mask, lps, turns = elog.episode_fields()
+        ep = Episode(elog.group, elog.path, None, tokens, mask, lps, turns, reward=elog.reward, done=True)
+        if elog.truncated:
+            ep.info["truncated"] = elog.truncated
+        ep.info["cuts"] = elog.cuts
+        return ep
+
+    def _new_episode(self, task, gid, sample):
+        ep = super()._new_episode(task, gid, sample)
+        if self._journal is not None:
+            if not hasattr(ep.env, "keep_checkpoints_in"):
+                ep.env.close()
+                raise TypeError(f"BelayerAgentLoop(journal=...) needs CheckpointedEnv environments, the factory "
+                                f"made a {type(ep.env).__name__}")
+            ep.env.keep_checkpoints_in(self._journal.snapshots)
+        return ep
+
+    def _initial_episodes(self, tasks, group_ids):
+        """Fresh episodes, or with a journal to resume: the finished episodes as journaled and
+        the others rebuilt (see :mod:`.journal`). A tree's branch without records of its own is
+        rebuilt from its parent's log at the fork turn by replaying every logged action since the
+        checkpoint (as the loop's fork copies the environment at that turn), so it never goes back
+        before the fork."""
+        st = self._resume_state
+        if st is None:
+            return super()._initial_episodes(tasks, group_ids)
+        from concurrent.futures import ThreadPoolExecutor
+        from .journal import JournalError, episode_record, resolve_ckpt
+        t0 = time.monotonic()
+        cfg = self.cfg
+        forking = cfg.branch_factor > 1 and cfg.branch_turn is not None
+        finished: list[Episode] = []
+        plans = []                      # (task, gid, sample, path, EpisodeLog | None, force replay)
+        for task, gid in zip(tasks, group_ids):
+            for s in range(cfg.group_size):
+                own = st.episodes.get((gid, (s,)))
+                kids = {p[1]: e for (g, p), e in st.episodes.items() if g == gid and len(p) == 2 and p[0] == s}
+                if kids or (forking and own is not None and not own.done and len(own.turns) == cfg.branch_turn):
+                    for k in range(cfg.branch_factor):
+                        plans.append((task, gid, s, (s, k), kids.get(k) or own, k not in kids))
+                else:
+                    plans.append((task, gid, s, (s,), own, False))
+        todo = []
+        for task, gid, s, path, elog, replay in plans:
+            if elog is not None and elog.done:
+                finished.append(self._finished_episode(elog.copy_as(path)))
+                if self.break_resume != "rerun_finished":
+                    continue
+                elog = None
+            todo.append((task, gid, s, path, elog, replay))
+
+        def build(plan) -> tuple[Episode, int]:
+            task, gid, s, path, elog, replay = plan
+            ep = self._new_episode(task, gid, s)
+            ep.path = path
+            if elog is None or not elog.turns:
+                return ep, 0
+            try:
+                if elog.prompt != ep.tokens:
+                    raise JournalError(f"{self._journal.path}:{elog.line}: field 'prompt': the journaled prompt of "
+                                       f"{ep.traj_id} differs from the environment's ({len(elog.prompt)} vs "
+                                       f"{len(ep.tokens)} ids): another task or tokenizer?")
+                ep.tokens, ep.loss_mask, ep.logprobs, ep.turns = elog.episode_fields()
+                ep.info["cuts"] = elog.cuts
+                actions, results = elog.env_log()
+                recovery = ep.env.recovery
+                if replay:
+                    ep.env.recovery = "replay"
+                try:
+                    reached = ep.env.resume_from(actions, results, resolve_ckpt(elog.ckpt, self._journal.root),
+                                                 break_resume=self.break_resume)
+                finally:
+                    ep.env.recovery = recovery
+            except BaseException:
+                ep.env.close()
+                raise
+            cut = len(ep.turns) - reached
+            if cut > 0:
+                self._cut(ep, reached, "client crash: environment restored to an earlier turn")
+            if cut > 0 or replay:         # the rebuilt state's first record (a branch: its own from now on)
+                self._journal.write(episode_record("cut", ep, self._journal.root, keep=reached))
+            return ep, cut
+
+        built: list[tuple[Episode, int]] = []
+        errors: list[BaseException] = []
+        with ThreadPoolExecutor(max_workers=max(1, min(cfg.max_concurrency, len(todo)))) as pool:
+            for f in [pool.submit(build, p) for p in todo]:
+                try:
+                    built.append(f.result())
+                except BaseException as e:      # noqa: BLE001 - close what was built, then raise
+                    errors.append(e)
+        if errors:
+            for ep, _ in built:
+                ep.env.close()
+            raise errors[0]
+        self.resume_stats = {"finished_before_crash": len(finished),
+                             "rebuilt": sum(1 for p in todo if p[4] is not None and p[4].turns),
+                             "restarted": sum(1 for p in todo if p[4] is None or not p[4].turns),
+                             "branches_from_parent": sum(1 for p in todo if p[5] and p[4] is not None),
+                             "turns_restored": sum(len(ep.turns) for ep, _ in built),
+                             "cuts_on_resume": sum(1 for _, c in built if c > 0),
+                             "torn_line": st.torn, "rebuild_s": round(time.monotonic() - t0, 3)}
+        log.info("journal resume: %s", self.resume_stats)
+        return [ep for ep, _ in built], finished
 
 
 logger_cut = logging.getLogger(__name__ + ".cut")
