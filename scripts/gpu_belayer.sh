@@ -43,6 +43,10 @@
 # the uninterrupted one (the log says "output differs" where it does not, and the step's detail records
 # first_diff: position and tokens around it; GDN prefill and recurrent decode kernels round differently). It was never run with Qwen3-Next's GDN layers: if the first start fails, the
 # bench starts again with FALLBACK_ARGS (the flags the H200 rollout runs used) and records it.
+# START_TIMEOUT (240 s): a fresh machine's first SGLang start took 143-180 s on 2026-12-03 (130 s was too short).
+# Overhead part on SGLang: add --overhead-temperature 0 (seeded sampling stalled SGLang 0.5.17's scheduler for
+# 34-80 s on new batch sizes; greedy has no seeds) and, for comparable resumed outputs without deterministic
+# inference, --temperature 0 for the engine part.
 # Files in $OUT (the device returns at most 8): belayer_h200.json, gpu_belayer.log, sglang_logs.tgz.
 # Time (quick; F = first SGLang start on the machine 55-180 s + warm-up with the first torch.compile,
 # L = a later start 20-60 s): checkpoint ~15-30 s, F, L (the shadow), ~5 s reference + step 1, L + ~3 s
@@ -90,7 +94,7 @@ json.dump(st, open('$CK/belayer_tiny.json', 'w'))
     stamp "checkpoint made"
   fi
   local common=(--engine sglang --model-path "$CK" --engine-args "$ENGINE_ARGS" --fallback-engine-args "$FALLBACK_ARGS"
-                --kill-at 200 --max-new-tokens 320 --log-dir "$LOGS" --startup-timeout-s ${START_TIMEOUT:-150})
+                --kill-at 200 --max-new-tokens 320 --log-dir "$LOGS" --startup-timeout-s ${START_TIMEOUT:-240})
   if [ "$MODE" = rearm ]; then
     local left=$(( BUDGET - ($(date +%s) - T0) ))
     [ "$left" -ge 150 ] || { stamp "only ${left} s left of BUDGET=${BUDGET}: not starting the bench"; return 1; }
