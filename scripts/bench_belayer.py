@@ -817,7 +817,7 @@ def bench_overhead(args, workdir, device):
                  "recovery_s": None, "baseline": "HttpEngine.generate (one reply)", "baseline_s": None, "speedup": None,
                  "lost_trajectories": 0, "overhead_pct": statistics.median(pairs_e), "reps": len(pairs_e),
                  "spread": {"overhead_pct_paired": [min(pairs_e), max(pairs_e)]}, "device": device,
-                 "stream_interval": every,
+                 "stream_interval": every, "outputs_differ": differ, "outputs_must_match": same_expected,
                  "note": f"16-token requests with a 64-token prompt, one server (--stream-interval {every}), plain and "
                          "resumable alternated; overhead_pct: median of the paired differences"})
     for kind in ("engine", "env", "belayer"):

@@ -241,9 +241,8 @@ class AgentLoop:
         ep.loss_mask += [1] * len(gen.output_ids)
         ep.logprobs += gen.logprobs
         res = ep.env.step(self.tok.decode(gen.output_ids))
-        info = res.info or {}
-        ep.info["tool_ok"] = (not info.get("error") and info.get("exit") == 0) if ("exit" in info or info.get("error")) \
-            else None
+        info = res.info or {}              # the last tool return, for a turn queue (TurnSignals.tool_ok)
+        ep.info["tool_ok"] = False if info.get("error") else (info["exit"] == 0) if "exit" in info else None
         if res.done or len(ep.turns) >= (cfg.max_turns or SAFETY_TURNS):
             ep.done = True
             ep.reward = float(res.reward) if res.reward is not None else 0.0

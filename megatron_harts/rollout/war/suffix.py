@@ -118,6 +118,16 @@ class Draft:
         return out
 
 
+def _group_by_token(toks: np.ndarray, pos: np.ndarray, small: int) -> dict:
+    """Positions ``pos`` ``[n]`` grouped by their tokens ``toks`` ``[n]``: token -> its positions in
+    input order (a numpy array when more than ``small``, else a list)."""
+    order = np.argsort(toks, kind="stable")
+    ts, ps = toks[order], pos[order]
+    cut = np.flatnonzero(np.diff(ts)) + 1
+    starts, stops, tl = [0, *cut.tolist()], [*cut.tolist(), len(ts)], ts.tolist()
+    return {tl[i]: (ps[i:j] if j - i > small else ps[i:j].tolist()) for i, j in zip(starts, stops)}
+
+
 class SuffixTrie:
     """Suffix trie of bounded depth with occurrence counts; node 0 is the root.
 
@@ -534,13 +544,7 @@ class ContextIndex(_OccurrenceExpansion):
                 return {}
             nxt = nxt + 1
             toks = self._arr[nxt]
-            order = np.argsort(toks, kind="stable")
-            ts, ps = toks[order], nxt[order]
-            cut = np.flatnonzero(np.diff(ts)) + 1
-            starts = [0, *cut.tolist()]
-            stops = [*cut.tolist(), len(ts)]
-            tl = ts.tolist()
-            return {tl[i]: (ps[i:j] if j - i > self._SMALL else ps[i:j].tolist()) for i, j in zip(starts, stops)}
+            return _group_by_token(toks, nxt, self._SMALL)
         out: dict[int, list[int]] = {}
         tk = self.tokens
         for x in ends:
@@ -866,13 +870,7 @@ class CorpusIndex(_OccurrenceExpansion):
                 nxt, toks = nxt[keep], toks[keep]
             if not len(nxt):
                 return {}
-            order = np.argsort(toks, kind="stable")
-            ts, ps = toks[order], nxt[order]
-            cut = np.flatnonzero(np.diff(ts)) + 1
-            starts = [0, *cut.tolist()]
-            stops = [*cut.tolist(), len(ts)]
-            tl = ts.tolist()
-            return {tl[i]: (ps[i:j] if j - i > self._SMALL else ps[i:j].tolist()) for i, j in zip(starts, stops)}
+            return _group_by_token(toks, nxt, self._SMALL)
         out: dict[int, list[int]] = {}
         tk = self._tk
         for x in ends:
