@@ -99,6 +99,10 @@ def test_pack_one_million_tokens_is_fast():
     (dict(token_lists=[[1, 2]], advantages=[[0.1, 0.2, 0.3]]), "advantage"),
     (dict(token_lists=[[1, 2], [1, 3]], traj_ids=["a", "a"]), "traj_id"),
     (dict(token_lists=[[1, 2], [1, 3]], rewards=[1.0]), "rewards"),
+    (dict(token_lists=[[1, 2]], old_logprobs=[["a", "b"]]), "old_logprobs"),
+    (dict(token_lists=[[1, 2]], ref_logprobs=[[0.0, [1.0, 2.0]]]), "ref_logprobs"),
+    (dict(token_lists=[[1, 2]], advantages=["high"]), "advantage"),
+    (dict(token_lists=[[1, 2]], rewards=["ok"]), "reward"),
 ])
 def test_validation_errors_name_the_field(kwargs, field):
     with pytest.raises(TreeValidationError, match=field):
@@ -140,4 +144,10 @@ def test_jsonl_errors_name_line_and_field(tmp_path):
         read_jsonl(path)
     path.write_text('{"toks": [1]}\n')
     with pytest.raises(TreeValidationError, match="tokens"):
+        read_jsonl(path)
+    path.write_text('{"tokens": [1, 2]}\n{"tokens": [1, 2], "old_logprobs": [0, "x"]}\n')
+    with pytest.raises(TreeValidationError, match=r":2: .*old_logprobs"):
+        read_jsonl(path)
+    path.write_text('[1, 2]\n7\n')
+    with pytest.raises(TreeValidationError, match=r":1: expected a JSON object, got list"):
         read_jsonl(path)

@@ -31,6 +31,8 @@ def read_jsonl(path: str | Path, vocab_size: int | None = None) -> list[Trajecto
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TreeValidationError(f"{path}:{lineno}: not valid JSON ({e})") from e
+            if not isinstance(rec, dict):
+                raise TreeValidationError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             if "tokens" not in rec:
                 raise TreeValidationError(f"{path}:{lineno}: field 'tokens' is missing")
             fields = {_KEYS.get(k, k): v for k, v in rec.items() if k != "tokens"}

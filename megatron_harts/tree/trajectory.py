@@ -69,7 +69,10 @@ def make_trajectory(i: int, tokens: Sequence[int], vocab_size: int | None = None
         if val is None:
             out[name] = None
             continue
-        arr = np.asarray(val, dtype=np.float32 if name != "loss_mask" else None)
+        try:
+            arr = np.asarray(val, dtype=np.float32 if name != "loss_mask" else None)
+        except (TypeError, ValueError) as e:  # strings, ragged lists
+            raise TreeValidationError(f"{where}: field '{name}' is not a list of numbers ({e})") from e
         if arr.ndim != 1 or arr.shape[0] != L:
             raise TreeValidationError(
                 f"{where}: field '{name}' has length {arr.shape[0] if arr.ndim == 1 else arr.shape}, "
@@ -89,7 +92,10 @@ def make_trajectory(i: int, tokens: Sequence[int], vocab_size: int | None = None
         out[name] = arr
     adv = fields.get("advantage")
     if adv is not None:
-        a = np.asarray(adv, dtype=np.float32)
+        try:
+            a = np.asarray(adv, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise TreeValidationError(f"{where}: field 'advantage' must be a number or a per-token list ({e})") from e
         if a.ndim == 1 and a.shape[0] != L:
             raise TreeValidationError(f"{where}: field 'advantage' has length {a.shape[0]}, but 'tokens' has length {L}")
         if a.ndim > 1:
@@ -99,7 +105,10 @@ def make_trajectory(i: int, tokens: Sequence[int], vocab_size: int | None = None
         adv = float(a) if a.ndim == 0 else a
     reward = fields.get("reward")
     if reward is not None:
-        reward = float(reward)
+        try:
+            reward = float(reward)
+        except (TypeError, ValueError) as e:
+            raise TreeValidationError(f"{where}: field 'reward' must be a number, got {reward!r}") from e
         if not np.isfinite(reward):
             raise TreeValidationError(f"{where}: field 'reward' is NaN or infinite")
     known = {"traj_id", "group_id", "advantage", "reward", *PER_TOKEN_FIELDS}
