@@ -93,10 +93,11 @@ import sys
 import torch
 
 from .megatron import attention_backend, cpu_shim, tree_hybrid_stack_spec, tree_packed_seq_params
+from .megatron.arguments import TREE_SUPPORTED_LAYER_SYMBOLS
 from .ops import tree_token_logprobs
 from .ops.attention import chain_pack_backend
 from .packing import pack, pack_trajectories
-from .tree import read_jsonl, trees_from_trajectories
+from .tree import TreeValidationError, read_jsonl, trees_from_trajectories
 from .workloads import AgenticConfig, agentic_batch
 
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -519,6 +520,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decay-tol", type=float, help="cpu: tolerance of A_log/dt_bias grads (default 5e-4, "
                     "float64 1e-6)")
     args = ap.parse_args(argv)
+    bad = sorted(set(args.pattern) - TREE_SUPPORTED_LAYER_SYMBOLS)
+    if not args.pattern or bad:
+        ap.error(f"--pattern {args.pattern!r}: layer symbols must be from "
+                 f"{''.join(sorted(TREE_SUPPORTED_LAYER_SYMBOLS))!r}" + (f" (got {''.join(bad)!r})" if bad else ""))
+    if args.chunk_size < 1:
+        ap.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
+    if args.num_moe_experts is not None and args.num_moe_experts < 1:
+        ap.error(f"--num-moe-experts must be >= 1, got {args.num_moe_experts}")
+    for name in ("tol", "decay_tol", "noise_factor"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.watchdog < 0:
+        ap.error(f"--watchdog must be >= 0, got {args.watchdog}")
+    if args.trajectories:
+        try:
+            args.trajectories = read_jsonl(args.trajectories)
+        except (OSError, TreeValidationError) as e:
+            ap.error(f"--trajectories: {e}")
+        if not args.trajectories:
+            ap.error("--trajectories: the file holds no trajectories")
     if args.watchdog:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
     if args.model != "tiny" and args.device != "cuda":
@@ -554,7 +575,7 @@ def _main_cpu(args) -> int:
     decay_tol = decay_tol if args.decay_tol is None else args.decay_tol
     dtype = getattr(torch, args.dtype)
     if args.trajectories:
-        trajs = read_jsonl(args.trajectories)
+        trajs = args.trajectories            # read and checked by main
     else:
         trajs = agentic_batch(AgenticConfig(num_groups=2, group_size=4, vocab_size=64, prompt_tokens=(20, 40),
                                             assistant_tokens=(5, 15), tool_tokens_median=10, tool_tokens_max=40,
@@ -592,7 +613,7 @@ def _main_cuda(args) -> int:
     from .megatron.gpu import HYBRID_1P5B, build_gpu_hybrid_model, init_single_gpu
 
     if args.trajectories:
-        trajs = read_jsonl(args.trajectories)
+        trajs = args.trajectories            # read and checked by main
     else:
         trajs = agentic_batch(AgenticConfig(num_groups=2, group_size=8, vocab_size=32768, prompt_tokens=(500, 1500),
                                             seed=args.seed))  # seed 0: 56,279 tokens, 2.97x

@@ -215,12 +215,32 @@ def test_float64_refuses_mamba():
     (["--pattern", "G*E-"], "has MoE layers ('E'): give their expert count with --num-moe-experts N"),
     (["--pattern", "G*-", "--num-moe-experts", "4"], "--num-moe-experts needs MoE layers ('E')"),
     (["--mutant", "moe_multiplicity_ignored"], "needs a layer of type 'E'"),
+    (["--pattern", "GX-"], "--pattern 'GX-': layer symbols must be from"),
+    (["--pattern", ""], "--pattern '': layer symbols must be from"),
+    (["--chunk-size", "0"], "--chunk-size must be >= 1, got 0"),
+    (["--pattern", "G*E", "--num-moe-experts", "-2"], "--num-moe-experts must be >= 1, got -2"),
+    (["--tol", "-1"], "--tol must be > 0, got -1.0"),
+    (["--trajectories", "/nonexistent/x.jsonl"], "--trajectories: [Errno 2] No such file or directory"),
 ])
 def test_argument_errors_are_one_line(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         verify.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err, err
+
+
+@pytest.mark.parametrize("text,msg", [
+    ('{"tokens": [1, 2]}\n{"tokens": [1, 2,\n', "bad.jsonl:2: not valid JSON"),
+    ('{"tokens": [1, 2], "old_logprobs": [0, "x"]}\n', "bad.jsonl:1: trajectory 0: field 'old_logprobs'"),
+    ("\n", "--trajectories: the file holds no trajectories"),
+])
+def test_trajectory_file_errors_are_one_line(tmp_path, text, msg, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        verify.main(["--trajectories", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and "Traceback" not in err, err
 
 
 def test_cuda_gate_is_per_class():
