@@ -58,6 +58,20 @@ def test_companion_flags_are_validated(argv, msg, capsys):
     assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,msg", [
+    (["--warmup-target-reward", "0.5"], "--warmup-target-reward needs --sft-warmup-steps N > 0"),
+    (["--branch-turn", "-1"], "--branch-turn must be >= 0, got -1"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0, got -0.5"),
+    (["--sft-warmup-steps", "-3"], "--sft-warmup-steps must be >= 0, got -3"),
+    (["--sft-warmup-steps", "2", "--warmup-lr", "-0.001"], "--warmup-lr must be > 0, got -0.001"),
+])
+def test_loop_flags_are_validated(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and "Traceback" not in err, err
+
+
 def test_companion_flags_reach_the_config():
     cfg = parse_args(["--router", "war", "--shadows", "2", "--num-engines", "2", "--turn-queue", "cmlfq"])
     assert (cfg.router, cfg.shadows, cfg.num_engines, cfg.turn_queue) == ("war", 2, 2, "cmlfq")

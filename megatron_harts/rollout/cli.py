@@ -95,6 +95,13 @@ def parse_args(argv=None) -> LoopConfig:
         ap.error(f"--tasks-per-step must be <= {NUM_TASK_INDICES}, got {a.tasks_per_step}")
     if a.lr <= 0:
         ap.error(f"--lr must be > 0, got {a.lr}")
+    if a.warmup_lr is not None and a.warmup_lr <= 0:
+        ap.error(f"--warmup-lr must be > 0, got {a.warmup_lr}")
+    for name in ("branch_turn", "sft_warmup_steps", "temperature"):
+        if getattr(a, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    if a.warmup_target_reward is not None and not a.sft_warmup_steps:
+        ap.error("--warmup-target-reward needs --sft-warmup-steps N > 0 (the most warm-up steps)")
     try:
         model_config(a.model, check=True)
     except ValueError as e:
