@@ -338,6 +338,45 @@ def test_launch_script_flags_parse_and_size_the_run(tree, monkeypatch):
     assert megatron_training.get_train_valid_test_num_samples()[:2] == (3 * 2, 0)   # 3 steps, no eval
 
 
+@pytest.mark.parametrize("extra,msg", [
+    (["--tree-chunk-size", "0"], "--tree-chunk-size must be >= 1, got 0"),
+    (["--tree-trajectories", "missing.jsonl"], "--tree-trajectories missing.jsonl: no such file"),
+], ids=["chunk", "missing-file"])
+def test_entry_point_argument_errors_exit_without_traceback(extra, msg, tmp_path):
+    """scripts/pretrain_hybrid_harts.py refuses bad flags and a missing trajectory file before
+    Megatron initialises: the message and a non-zero exit, no traceback."""
+    import shlex
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..")
+    (tmp_path / "r.jsonl").write_text('{"tokens": [1, 2, 3]}\n')
+    line = subprocess.run(["bash", os.path.join(root, "scripts", "launch_torchrun.sh"), "r.jsonl"],
+                          env=dict(os.environ, TORCHRUN="echo", NPROC="1"), capture_output=True, text=True,
+                          check=True).stdout
+    argv = shlex.split(line)
+    argv = argv[next(i for i, a in enumerate(argv) if a.endswith("pretrain_hybrid_harts.py")):]
+    res = subprocess.run([sys.executable, *argv, "--transformer-impl", "local", *extra], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore"))
+    assert res.returncode == 1 and msg in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("text,msg", [
+    (None, "--tree-trajectories: [Errno 2] No such file or directory"),
+    ('{"tokens": [1, 2]}\n{"tokens": [1, 2, 99]}\n',
+     "--tree-trajectories: {path}:2: trajectory 1: field 'tokens' has id 99"),
+])
+def test_data_provider_exits_with_the_file_line_and_field(text, msg, tmp_path, monkeypatch):
+    from megatron_harts.megatron import training
+    path = tmp_path / "r.jsonl"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setattr(training, "get_args", lambda: SimpleNamespace(tree_trajectories=str(path),
+                                                                      padded_vocab_size=64))
+    with pytest.raises(SystemExit) as e:
+        training.train_valid_test_datasets_provider(None)
+    assert msg.format(path=path) in str(e.value.code), e.value.code
+
+
 def test_configure_model_passes_the_attention_backend():
     from megatron_harts.megatron.training import configure_model
     args = _megatron_args(BASE + ["--tree-attention-backend", "flex"])

@@ -15,7 +15,7 @@ from megatron.core import mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.training import get_args, get_timers, print_rank_0
 
-from ..tree import read_jsonl
+from ..tree import TreeValidationError, read_jsonl
 from .batch import TreeMicrobatchIterator, group_trajectories, model_inputs, rl_loss
 from .specs import tree_hybrid_stack_spec, tree_te_hybrid_stack_spec
 
@@ -83,7 +83,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     """Returns ``(train iterator, None, None)``; ``--dataloader-type external`` passes it through.
     Every rank reads the JSONL and plans the same steps, so TP/PP ranks need no broadcast."""
     args = get_args()
-    groups = group_trajectories(read_jsonl(args.tree_trajectories, vocab_size=args.padded_vocab_size))
+    try:
+        groups = group_trajectories(read_jsonl(args.tree_trajectories, vocab_size=args.padded_vocab_size))
+    except (OSError, TreeValidationError) as e:     # every rank reads the file: each exits with one line
+        raise SystemExit(f"--tree-trajectories: {e}") from None
     if args.tree_shuffle_seed is not None:
         random.Random(args.tree_shuffle_seed).shuffle(groups)
     dp = mpu.get_data_parallel_world_size()
