@@ -378,8 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     samples_path = os.path.splitext(out)[0] + ".samples.jsonl"
 
     if args.refit:
-        with open(args.refit) as f:
-            samples = [json.loads(line) for line in f if line.strip()]
+        samples = read_samples(args.refit)
         meta = dict(refit=args.refit)
     else:
         samples, meta = measure(args, samples_path)
@@ -400,6 +399,30 @@ def main(argv: list[str] | None = None) -> int:
                samples=[{**s, "rel_err": e} for s, e in zip(samples, info["rel_err"])])
     log(f"wrote {out} (load: CostModel.from_json({out!r}))")
     return 0
+
+
+def read_samples(path: str) -> list[dict]:
+    """The samples JSONL of an earlier run (``--refit``); a bad file exits with its line and field."""
+    samples = []
+    try:
+        with open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    s = json.loads(line)
+                except ValueError as e:
+                    raise SystemExit(f"--refit {path}:{lineno}: not valid JSON ({e})") from None
+                bad = [k for k in (*FEATURES, "time_s") if not isinstance(s, dict) or isinstance(s.get(k), bool)
+                       or not isinstance(s.get(k), (int, float))]
+                if bad:
+                    raise SystemExit(f"--refit {path}:{lineno}: field(s) {bad} missing or not numbers")
+                samples.append(s)
+    except OSError as e:
+        raise SystemExit(f"--refit: {e}") from None
+    if not samples:
+        raise SystemExit(f"--refit {path}: no samples")
+    return samples
 
 
 def measure(args, samples_path: str) -> tuple[list[dict], dict]:

@@ -106,3 +106,25 @@ def test_cpu_smoke(tmp_path):
                          timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert CostModel.from_json(tmp_path / "refit.json") == cm
+
+
+@pytest.mark.parametrize("text,msg", [
+    (None, "--refit: [Errno 2] No such file or directory"),
+    ('{"tokens": 1, "ancestors": 2, "rounds": 3, "time_s": 0.1}\n{"tokens": 1,\n', "s.jsonl:2: not valid JSON"),
+    ('{"tokens": 1, "ancestors": "2", "rounds": 3}\n', "s.jsonl:1: field(s) ['ancestors', 'time_s'] missing"),
+    ("\n", "s.jsonl: no samples"),
+])
+def test_refit_input_errors_name_the_line(tmp_path, text, msg):
+    path = tmp_path / "s.jsonl"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        cc.read_samples(str(path))
+    assert msg in str(e.value.code), e.value.code
+
+
+def test_refit_missing_file_exits_without_traceback(tmp_path):
+    res = subprocess.run([sys.executable, SCRIPT, "--refit", str(tmp_path / "none.jsonl"), "--tiny", "--out",
+                          str(tmp_path / "x.json")], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert res.returncode == 1 and "--refit: [Errno 2]" in res.stderr and "Traceback" not in res.stderr, res.stderr
