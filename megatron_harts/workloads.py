@@ -272,13 +272,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compression", type=float, default=4.0, help="target compression (sweep)")
     ap.add_argument("--total-tokens", type=int, default=131072, help="trajectory tokens (sweep)")
     a = ap.parse_args(argv)
-    if a.kind == "sweep":
-        trajs = sweep_batch(a.total_tokens, a.compression, seed=a.seed)
-    else:
-        cfg = SWE_BENCH_LIKE if a.kind == "swe" else TAU_BENCH_LIKE
-        over = {k: v for k, v in (("num_groups", a.groups), ("max_tokens", a.max_tokens)) if v is not None}
-        trajs = rollout_trees(dataclasses.replace(cfg, seed=a.seed, **over))
-    write_jsonl(a.out, trajs)
+    for name in ("groups", "max_tokens", "total_tokens"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    try:
+        if a.kind == "sweep":
+            trajs = sweep_batch(a.total_tokens, a.compression, seed=a.seed)
+        else:
+            cfg = SWE_BENCH_LIKE if a.kind == "swe" else TAU_BENCH_LIKE
+            over = {k: v for k, v in (("num_groups", a.groups), ("max_tokens", a.max_tokens)) if v is not None}
+            trajs = rollout_trees(dataclasses.replace(cfg, seed=a.seed, **over))
+        write_jsonl(a.out, trajs)
+    except (ValueError, OSError) as e:      # e.g. --compression out of range, --max-tokens below the prompt
+        ap.error(str(e))
     print(json.dumps(summary(trajs)))
     return 0
 
