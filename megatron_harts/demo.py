@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-model", action="store_true", help="only pack; skip the tiny-model comparison")
     args = ap.parse_args(argv)
+    for name in ("groups", "group_size", "chunk_size"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # "Transformer Engine / Apex / Triton not available: falling back" notices on a CPU machine.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|fla)\.")

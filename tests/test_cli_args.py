@@ -1,9 +1,10 @@
-"""``python -m megatron_harts.workloads``: bad numbers and paths exit 2 with one error line."""
+"""``python -m megatron_harts.workloads`` and ``python -m megatron_harts.demo``: bad numbers and paths
+exit 2 with one error line."""
 import json
 
 import pytest
 
-from megatron_harts import workloads
+from megatron_harts import demo, workloads
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -26,3 +27,15 @@ def test_writes_the_batch(tmp_path, capsys):
     assert workloads.main(["tau", "--groups", "2", "--max-tokens", "256", "--out", str(out)]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["groups"] == 2 and s["trajectories"] == len(out.read_text().splitlines()) and s["max_len"] <= 256
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--groups", "0"], "--groups must be >= 1, got 0"),
+    (["--group-size", "-1"], "--group-size must be >= 1, got -1"),
+    (["--chunk-size", "0"], "--chunk-size must be >= 1, got 0"),
+])
+def test_demo_bad_numbers_exit_2_with_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv + ["--no-model"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and "Traceback" not in err, err
