@@ -250,7 +250,11 @@ def test_args_valid_and_defaults():
     (["--tree-chunk-size", "0"], "tree-chunk-size must be >= 1"),
     (["--tree-spec", "te"], "needs Transformer Engine"),
     (["--tree-attention-backend", "varlen"], "varlen only covers trajectory packs"),
-], ids=["cp", "mtp", "dsa", "mla", "mtp-pattern", "capacity", "pad-capacity", "mbs", "chunk", "te-spec", "varlen"])
+    (["--rl-clip-eps=-0.2"], "--rl-clip-eps must be >= 0, got -0.2"),
+    (["--rl-clip-eps-high=-0.1"], "--rl-clip-eps-high must be >= 0, got -0.1"),
+    (["--tree-groups-per-step", "0"], "--tree-groups-per-step must be >= 1, got 0"),
+], ids=["cp", "mtp", "dsa", "mla", "mtp-pattern", "capacity", "pad-capacity", "mbs", "chunk", "te-spec", "varlen",
+        "clip-eps", "clip-eps-high", "groups-per-step"])
 def test_args_unsupported_combinations(extra, message):
     from megatron.core.extensions.transformer_engine import HAVE_TE
     if "--tree-spec" in extra and HAVE_TE:

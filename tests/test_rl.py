@@ -192,6 +192,10 @@ def test_missing_fields_name_field_and_trajectory():
         policy_loss([torch.zeros(3)], RLBatch.from_trajectories([good]))
     with pytest.raises(ValueError, match="loss_agg_mode"):
         policy_loss(lp([good]), RLBatch.from_trajectories([good]), loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="clip_eps and clip_eps_high must be >= 0"):
+        policy_loss(lp([good]), RLBatch.from_trajectories([good]), clip_eps=-0.2)
+    with pytest.raises(ValueError, match="clip_eps and clip_eps_high must be >= 0"):
+        policy_loss(lp([good]), RLBatch.from_trajectories([good]), clip_eps_high=-0.1)
 
 
 def test_masked_garbage_gives_no_nan():

@@ -140,6 +140,11 @@ def tree_packing_errors(args) -> list[str]:
                     "and Megatron's allgather dispatcher gathers equal token counts (all_gather_into_tensor)")
     if getattr(args, "rl_dual_clip_c", None) is not None and args.rl_dual_clip_c <= 1:
         errs.append(f"--rl-dual-clip-c must be > 1, got {args.rl_dual_clip_c}")
+    for name in ("rl_clip_eps", "rl_clip_eps_high"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 0:
+            errs.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if getattr(args, "tree_groups_per_step", None) is not None and args.tree_groups_per_step < 1:
+        errs.append(f"--tree-groups-per-step must be >= 1, got {args.tree_groups_per_step}")
     return errs
 
 

@@ -112,6 +112,8 @@ def policy_loss(
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+    if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
+        raise ValueError(f"clip_eps and clip_eps_high must be >= 0, got {clip_eps} and {clip_eps_high}")
     need = ["loss_mask", "advantages"]
     if loss_type == "ppo":
         need.append("old_logprobs")
