@@ -22,7 +22,7 @@ Tolerances (fp32): gradients within 1e-6 of the largest entry (the 1- and 2-rank
 different trees together and sum the same fp32 terms in another order; the existing pool tests
 measure ~2e-7 of it). Weights: the loop's and the replay's Adam updates differ by fp32 rounding
 of the gradient, which Adam divides by its own magnitude, so entries whose gradient is near zero
-move by up to ~lr differently; the bound is on the whole update: ||w_loop - w_replay|| <= 1e-3 x
+move by up to ~lr differently; the bound is on the whole update: ||w_loop - w_replay|| <= 1e-4 x
 ||w_loop - w_0||. A normalisation that depends on the split (e.g. rank-local token counts) makes
 the 1-rank and 2-rank steps different losses and fails both checks.
 """
@@ -133,8 +133,11 @@ def test_same_batch_same_gradient_and_weights_across_switches(switched, replay):
     for a, b in zip(g1, g2):
         _close(a, b)
     # the fixed split (2 ranks) replays the loop's batches: warm-up, then the saved RL steps
-    for b in warm:
-        pool.train_step(b)
+    for b, logged in zip(warm, loop.warmup["train"]):
+        m = pool.train_step(b)
+        assert logged["train_ranks"] == [0] and m["train_ranks"] == [0, 1] and m["grad_norm"] > 0
+        assert m["grad_norm"] == pytest.approx(logged["grad_norm"], rel=1e-5)      # before clipping: scale-sensitive
+        assert m["loss"] == pytest.approx(logged["loss"], rel=1e-5)
     for step, row in enumerate(rows):
         m = pool.train_step(read_jsonl(out / "rollouts" / f"step_{step:04d}.jsonl"))
         assert m["train_ranks"] == [0, 1] and m["loss"] == pytest.approx(row["loss"], abs=1e-6)
@@ -146,7 +149,7 @@ def test_same_batch_same_gradient_and_weights_across_switches(switched, replay):
     names = sorted(w_loop)
     diff = np.sqrt(sum(float(np.sum((w_loop[k].astype(np.float64) - w_fixed[k]) ** 2)) for k in names))
     moved = np.sqrt(sum(float(np.sum((w_loop[k].astype(np.float64) - w0[k]) ** 2)) for k in names))
-    assert moved > 1e-3 and diff <= 1e-3 * moved, (diff, moved)
+    assert moved > 1e-3 and diff <= 1e-4 * moved, (diff, moved)
 
 
 def test_sync_planner_moves_only_when_the_saving_pays_for_the_switch():

@@ -297,7 +297,7 @@ class RLLoop:
         self.hf_config = model_config(cfg.model)
         self.servers: list[Any] = []
         self.rows: list[dict] = []
-        self.warmup: dict = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": []}
+        self.warmup: dict = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": [], "train": []}
         if cfg.use_ray:
             import ray
             if not ray.is_initialized():
@@ -460,12 +460,13 @@ class RLLoop:
             self._start()
             if cfg.sft_warmup_steps and cfg.warmup_lr is not None:
                 _get(_call(self.trainer, "set_lr", cfg.warmup_lr, use_ray=ray_), ray_)
-            self.warmup = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": []}
+            self.warmup = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": [], "train": []}
             for w in range(cfg.sft_warmup_steps):
                 tasks, gids = self._tasks(1_000_000 + w, cfg.tasks_per_step * cfg.rollout.group_size)
                 demos = _get(_call(self.workers[0], "demonstrations", tasks, gids, use_ray=ray_), ray_)
                 m = _get(_call(self.trainer, "train_step", demos, use_ray=ray_), ray_)
                 self.warmup["steps"] = w + 1
+                self.warmup["train"].append({k: m[k] for k in ("loss", "grad_norm", "nll", "train_ranks") if k in m})
                 logger.info("warm-up %d/%d: nll %.4f", w + 1, cfg.sft_warmup_steps, m["nll"])
                 if cfg.warmup_target_reward is not None and (w + 1) % cfg.warmup_probe_every == 0 \
                         and w + 1 < cfg.sft_warmup_steps and self._warmup_probe(w + 1) >= cfg.warmup_target_reward:
