@@ -36,9 +36,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from megatron_harts.rollout.agent_loop import RolloutConfig
-from megatron_harts.rollout.libra.elastic_loop import LibraController, LibraSplit
+from megatron_harts.rollout.libra.elastic_loop import CPU_TRAIN_SHAPE, LibraController, LibraSplit
 from megatron_harts.rollout.libra.planner import StreamMeasure, StreamPlanner
-from megatron_harts.rollout.libra.elastic_loop import CPU_TRAIN_SHAPE
 from megatron_harts.rollout.loop import LoopConfig, RLLoop, demonstrations
 from megatron_harts.rollout.weight_sync import model_config
 from megatron_harts.tree import read_jsonl

@@ -37,6 +37,13 @@ gradients (read from ``main_grad``) are all-gathered over ``pgc.dp`` and summed 
 bitwise independent of the rank set. The optimizer is ``torch.optim.AdamW`` on ``param.grad =
 param.main_grad`` (what Megatron's ``FP32Optimizer`` does for fp32 parameters).
 
+The RL step (:meth:`train_step`, what ``RLLoop`` with ``libra_pool`` runs): ``HartsTrainer.train_step``
+data-parallel, through the functions the two share (``rollout.trainer.step_microbatches``,
+``forward_backward``, ``StepTotals``): the step's trees over DP x M microbatches, each rank its own
+tree packs, the policy loss of every microbatch with the step's global normalisers, backward through
+the DDP wrapper, ``finalize_model_grads(num_tokens=None)`` (a sum over ``pgc.dp``: the shares are
+already normalised), the gradient clipped by its norm, AdamW.
+
 Megatron's ``@jit_fuser`` functions are ``torch.compile``'d; on CPU compiling them costs 2 s per
 process with a warm inductor cache and 10-15 s cold (3 workers on 2 cores: most of a minute), so
 the worker turns dynamo off (``torch._dynamo.config.disable``) and they run eagerly.

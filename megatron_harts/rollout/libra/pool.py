@@ -33,6 +33,10 @@ The trainer (``trainer``):
   by DDP's grad sync and ``finalize_model_grads``, and the engine serves the Megatron weights
   converted to the HF layout (``convert.iter_megatron_to_hf``, the ``WeightSync`` path).
 
+The RL step (``train_step``, Megatron trainer; ``rl_grads`` without the optimizer step): every
+training worker gets the step's trajectories and runs ``MegatronReplica.train_step`` on its share
+(``RLLoop`` with ``libra_pool`` drives it, :mod:`.elastic_loop`).
+
 Gradients of a global batch (``grads``): each DP rank takes samples ``i = rank (mod dp)``; the loss
 is the global token-mean NLL. ``mode="deterministic"``: per-sample gradients are all-gathered and
 summed in sample order, so the result is bitwise independent of how many ranks computed it;
@@ -373,6 +377,8 @@ class ElasticPool:
     ``trainer``: ``"hf"`` or ``"megatron"`` (see the module docstring). ``timeout_s``: the world
     group's collective timeout (a collective missing a member fails after it instead of hanging).
     ``cpus_per_worker``: Ray CPUs each actor reserves (0 lets a 2-core machine hold any number).
+    ``replica``: ``MegatronReplica`` keyword arguments (``chunk_size``, ``betas``, ``rl``: the RL
+    step's settings) for the Megatron trainer.
     The driver must have Ray initialised or lets this class start a local cluster."""
 
     def __init__(self, n: int, hf_config: dict, work_dir: str, *, trainer: str = "hf", seed: int = 0,
