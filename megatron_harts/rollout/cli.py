@@ -14,6 +14,13 @@ line per step (reward, compression, rollout / train / sync seconds, rollout-trai
 mismatch) and writes ``<out>/rollout.json``. ``--trainer traj`` trains the same loop
 trajectory-wise (the baseline). ``--ray`` runs the engines, the environment workers and the
 trainer as Ray actors (a local cluster is started unless ``RAY_ADDRESS`` points to one).
+
+Libra in the loop (CPU): ``--libra-pool 3`` replaces the trainer and the engines by an elastic pool
+of 3 Ray workers (Megatron trainer in Megatron DDP, embedded engines) split every step between
+rollout and training by Libra's planner on the measured step times (``--libra-policy planner``)
+or a fixed list (``--libra-policy schedule --libra-schedule 1,2,1``: rollout workers per step)::
+
+    python -m megatron_harts.rollout --libra-pool 3 --steps 4
 """
 from __future__ import annotations
 
@@ -67,6 +74,15 @@ def parse_args(argv=None) -> LoopConfig:
     g.add_argument("--shadows", type=int, default=0,
                    help="Belayer: pre-started shadow engine workers that take over a failed one, whose requests "
                         "continue from their logged tokens (0: off; started engines, without --ray)")
+    g = ap.add_argument_group("libra (elastic pool)")
+    g.add_argument("--libra-pool", type=int, default=0, metavar="N",
+                   help="run an elastic pool of N Ray workers (Megatron trainer, embedded engines) whose split between "
+                        "rollout and training changes per step (0: off; >= 2)")
+    g.add_argument("--libra-policy", choices=["planner", "schedule"], default="planner",
+                   help="planner: Libra's StreamPlanner (synchronous objective) on the measured step; schedule: "
+                        "--libra-schedule")
+    g.add_argument("--libra-schedule", default="", metavar="R,R,...",
+                   help="rollout workers per step (cycled), e.g. 1,2,1 (with --libra-policy schedule)")
     g = ap.add_argument_group("trainer")
     g.add_argument("--trainer", choices=["tree", "traj"], default="tree", help="tree: HARTS; traj: baseline")
     g.add_argument("--model", default="tiny", help="model preset (tiny, tiny-moe, small, small-moe; SGLang "
@@ -113,24 +129,37 @@ def parse_args(argv=None) -> LoopConfig:
     bad = [e for e in a.engine_env if "=" not in e]
     if bad:
         ap.error(f"--engine-env expects KEY=VALUE, got {bad[0]!r}")
+    try:
+        schedule = [int(x) for x in a.libra_schedule.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--libra-schedule expects comma-separated integers, got {a.libra_schedule!r}")
     ro = RolloutConfig(group_size=a.group_size, branch_turn=a.branch_turn or None, branch_factor=a.branch_factor,
                        max_turns=a.max_turns, max_new_tokens=a.max_new_tokens,
                        max_context_tokens=a.max_context_tokens, temperature=a.temperature,
                        max_concurrency=a.max_concurrency, seed=a.seed)
-    return LoopConfig(steps=a.steps, engine=a.engine, engine_urls=[u for u in a.engine_urls.split(",") if u],
-                      num_engines=a.num_engines, engine_args=shlex.split(a.engine_args),
-                      engine_env=dict(e.split("=", 1) for e in a.engine_env), family=a.family,
-                      tasks_per_step=a.tasks_per_step, rollout=ro, rollout_workers=a.rollout_workers,
-                      trainer=a.trainer, model=a.model, lr=a.lr, chunk_size=a.chunk_size, device=a.device,
-                      attention_backend=a.attention_backend,
-                      seed=a.seed, use_ray=a.ray, out=a.out, sft_warmup_steps=a.sft_warmup_steps,
-                      warmup_lr=a.warmup_lr, warmup_target_reward=a.warmup_target_reward, old_logprobs=a.old_logprobs, router=a.router, shadows=a.shadows,
-                      turn_queue=a.turn_queue)
+    try:
+        return LoopConfig(steps=a.steps, engine=a.engine, engine_urls=[u for u in a.engine_urls.split(",") if u],
+                          num_engines=a.num_engines, engine_args=shlex.split(a.engine_args),
+                          engine_env=dict(e.split("=", 1) for e in a.engine_env), family=a.family,
+                          tasks_per_step=a.tasks_per_step, rollout=ro, rollout_workers=a.rollout_workers,
+                          trainer=a.trainer, model=a.model, lr=a.lr, chunk_size=a.chunk_size, device=a.device,
+                          attention_backend=a.attention_backend,
+                          seed=a.seed, use_ray=a.ray, out=a.out, sft_warmup_steps=a.sft_warmup_steps,
+                          warmup_lr=a.warmup_lr, warmup_target_reward=a.warmup_target_reward,
+                          old_logprobs=a.old_logprobs, router=a.router, shadows=a.shadows,
+                          turn_queue=a.turn_queue, libra_pool=a.libra_pool, libra_policy=a.libra_policy,
+                          libra_schedule=schedule)
+    except ValueError as e:                 # LoopConfig's own checks (e.g. --libra-pool with --engine sglang)
+        ap.error(str(e))
 
 
 HEADER = "step  reward  compr.  traj  rollout_s  train_s  sync_s  mismatch"
 ROW = "{step:>4}  {reward_mean:>6.3f}  {compression:>5.2f}x  {trajectories:>4}  {rollout_s:>9.2f}  {train_s:>7.2f}  " \
       "{sync_s:>6.2f}  {mismatch:>8.2e}"
+
+
+LIBRA_HEADER = "  split(r/t)  switch_s  trained"
+LIBRA_ROW = "  {0:>4}/{1:<4}  {switch_s:>8.2f}  {train_ranks}"
 
 
 def main(argv=None) -> int:
@@ -143,8 +172,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"\n{cfg.trainer} trainer, {cfg.engine} engine, family {cfg.family}: rows in {cfg.out}/rollout.json")
-    print(HEADER)
+    print(HEADER + (LIBRA_HEADER if cfg.libra_pool else ""))
     for r in rows:
         print(ROW.format(**r, mismatch=r["logprob_mismatch_max"] if r["logprob_mismatch_max"] is not None
-                         else float("nan")))
+                         else float("nan")) + (LIBRA_ROW.format(*r["libra_split"], **r) if cfg.libra_pool else ""))
     return 0

@@ -22,7 +22,13 @@ least-loaded); ``shadows=N`` (local path, started engines) runs the engines unde
 engines are :class:`~.belayer.engine.ResumableEngine` s: a server that dies mid-step is replaced by
 a shadow and its requests continue from their logged tokens (rows count ``failovers``);
 ``turn_queue="cmlfq"`` (or ``plas``, ``fcfs``) orders the turns waiting for one of the rollout's
-``max_concurrency`` slots with Libra's queue policy (:class:`~.libra.cmlfq.TurnQueue`).
+``max_concurrency`` slots with Libra's queue policy (:class:`~.libra.cmlfq.TurnQueue`);
+``libra_pool=N`` runs an elastic pool of ``N`` Ray workers (Megatron trainer, embedded engines)
+instead of the trainer and the engines: each step a split policy (``libra_policy``: Libra's
+planner on the measured step times, or a fixed ``libra_schedule``) decides how many serve rollouts
+and how many train, and workers switch roles between steps (:mod:`.libra.elastic_loop`); rows
+then also record ``libra_split`` ([rollout, training] workers), ``rollout_ranks``, ``train_ranks``,
+``switch_s`` (the switch before the step's rollout) and ``libra_moves`` / ``libra_plan``.
 
 Per step the driver records ``{step, engine, trainer, rollout_s, train_s, sync_s, compression,
 reward_mean, logprob_mismatch_max, ...}``; ``logprob_mismatch_*`` compares the engine's log-probs
@@ -75,7 +81,12 @@ class LoopConfig:
     engines and the local path; the supervisor stops its servers at the end, ``keep_engines`` or not;
     a row's ``failovers`` are those since the previous row: its rollout, training and weight push);
     ``turn_queue``: Libra's queue policy for turns waiting for a concurrency slot (``fcfs``, ``plas``,
-    ``cmlfq``; None: the loop's own first-come order)."""
+    ``cmlfq``; None: the loop's own first-come order); ``libra_pool``: workers of an elastic pool
+    that replaces the trainer and the engines (0: off; >= 2; Megatron trainer, embedded engines,
+    the local path: not with ``engine='sglang'``, ``engine_urls``, ``shadows``, ``use_ray`` (the pool's
+    workers are Ray actors already), ``device='cuda'`` or ``num_engines`` other than 1: the split
+    decides the engines); ``libra_policy``: ``planner`` (``StreamPlanner.plan_sync`` on the
+    measured step) or ``schedule`` (``libra_schedule[step % len]`` rollout workers per step)."""
 
     steps: int = 2
     engine: str = "embedded"
@@ -107,6 +118,9 @@ class LoopConfig:
     router: str = "sticky"
     shadows: int = 0
     turn_queue: str | None = None
+    libra_pool: int = 0
+    libra_policy: str = "planner"
+    libra_schedule: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -122,6 +136,26 @@ class LoopConfig:
         if self.shadows and (self.use_ray or self.engine_urls):
             raise ValueError("LoopConfig.shadows (Belayer shadow workers) needs engines started by the loop on the "
                              "local path: not with use_ray or engine_urls")
+        if self.libra_pool or self.libra_schedule:
+            self._check_libra()
+
+    def _check_libra(self) -> None:
+        from .libra.elastic_loop import check_split_config
+
+        if self.libra_pool == 0:
+            raise ValueError("LoopConfig.libra_schedule needs libra_pool >= 2")
+        check_split_config(self.libra_pool, self.libra_policy, self.libra_schedule)
+        bad = [(name, why) for name, on, why in [
+            ("engine", self.engine != "embedded", f"engine={self.engine!r}: the pool serves with its workers' "
+                                                 "embedded engines"),
+            ("engine_urls", bool(self.engine_urls), "engine_urls: the pool's workers are the engines"),
+            ("shadows", bool(self.shadows), "shadows (Belayer): not with an elastic pool"),
+            ("use_ray", self.use_ray, "use_ray: the pool's workers are Ray actors already, the driver runs locally"),
+            ("device", self.device != "cpu", f"device={self.device!r}: the pool runs on CPU (gloo)"),
+            ("num_engines", self.num_engines != 1, "num_engines: the split decides the engines"),
+        ] if on]
+        if bad:
+            raise ValueError(f"LoopConfig.libra_pool does not support {bad[0][1]}")
 
 
 ROUTERS = ("sticky", "war")
@@ -263,7 +297,7 @@ class RLLoop:
         self.hf_config = model_config(cfg.model)
         self.servers: list[Any] = []
         self.rows: list[dict] = []
-        self.warmup: dict = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": []}
+        self.warmup: dict = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": [], "train": []}
         if cfg.use_ray:
             import ray
             if not ray.is_initialized():
@@ -272,8 +306,38 @@ class RLLoop:
                              [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}})
 
     # -- setup / teardown ------------------------------------------------------------------------
+    def _start_libra(self):
+        """The elastic pool replaces the trainer and the engines; the first split is taken here."""
+        from .libra.elastic_loop import LibraController, LibraSplit
+
+        cfg = self.cfg
+        split = LibraSplit(cfg.libra_pool, cfg.libra_policy, cfg.libra_schedule)
+        self.libra = LibraController(cfg.libra_pool, self.hf_config, cfg.weights_dir or str(self.out / "weights"),
+                                     split, seed=cfg.seed, lr=cfg.lr, chunk_size=cfg.chunk_size,
+                                     rl=dict(tree=cfg.trainer == "tree", old_logprobs=cfg.old_logprobs))
+        self.trainer = self.libra.trainer
+        self.supervisor = None
+        self._libra_switch(split.initial(), "v0", {"why": "initial"})
+
+    def _libra_switch(self, rollout: int, version: str, plan: dict) -> None:
+        """Switch the pool to ``rollout`` serving workers (newcomers serve ``version``) and point the
+        rollout workers at their engines; what it did goes into the next row (``_libra_row``)."""
+        sw = self.libra.switch(rollout, version)
+        self.urls = self.libra.urls()
+        cfg = self.cfg
+        self.workers = [RolloutWorker(self.urls, cfg.family, cfg.rollout, cfg.seed, router=cfg.router,
+                                      turn_queue=cfg.turn_queue) for _ in range(cfg.rollout_workers)]
+        self._libra_row = {"libra_split": [rollout, cfg.libra_pool - rollout],
+                           "rollout_ranks": self.libra.rollout_ranks, "switch_s": sw["switch_s"],
+                           "libra_moves": sw["moves"], "libra_plan": plan}
+        logger.info("libra: %d serving %s, %d training; switch %.2f s (%s)", rollout, self.libra.rollout_ranks,
+                    cfg.libra_pool - rollout, sw["switch_s"], plan.get("why"))
+
     def _start(self):
         cfg, ray_ = self.cfg, self.cfg.use_ray
+        self.libra = None
+        if cfg.libra_pool:
+            return self._start_libra()
         Trainer = _remote(TrainerWorker, ray_, num_cpus=0, num_gpus=0.5 if cfg.device == "cuda" and ray_ else 0)
         kw = dict(tree=cfg.trainer == "tree", lr=cfg.lr, chunk_size=cfg.chunk_size, device=cfg.device, seed=cfg.seed,
                   attention_backend=cfg.attention_backend, old_logprobs=cfg.old_logprobs)
@@ -332,6 +396,10 @@ class RLLoop:
         return time.perf_counter() - t0
 
     def close(self):
+        if getattr(self, "libra", None) is not None:
+            self.libra.close()
+            self.libra = None
+            return
         if getattr(self, "supervisor", None) is not None:
             self.supervisor.close()
             self.supervisor = None
@@ -392,12 +460,13 @@ class RLLoop:
             self._start()
             if cfg.sft_warmup_steps and cfg.warmup_lr is not None:
                 _get(_call(self.trainer, "set_lr", cfg.warmup_lr, use_ray=ray_), ray_)
-            self.warmup = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": []}
+            self.warmup = {"steps": 0, "target_reward": cfg.warmup_target_reward, "probes": [], "train": []}
             for w in range(cfg.sft_warmup_steps):
                 tasks, gids = self._tasks(1_000_000 + w, cfg.tasks_per_step * cfg.rollout.group_size)
                 demos = _get(_call(self.workers[0], "demonstrations", tasks, gids, use_ray=ray_), ray_)
                 m = _get(_call(self.trainer, "train_step", demos, use_ray=ray_), ray_)
                 self.warmup["steps"] = w + 1
+                self.warmup["train"].append({k: m[k] for k in ("loss", "grad_norm", "nll", "train_ranks") if k in m})
                 logger.info("warm-up %d/%d: nll %.4f", w + 1, cfg.sft_warmup_steps, m["nll"])
                 if cfg.warmup_target_reward is not None and (w + 1) % cfg.warmup_probe_every == 0 \
                         and w + 1 < cfg.sft_warmup_steps and self._warmup_probe(w + 1) >= cfg.warmup_target_reward:
@@ -410,6 +479,9 @@ class RLLoop:
                 served = "v0w"
             events_seen = 0          # failovers are counted in the row of the step they fell in (or before)
             for step in range(cfg.steps):
+                if self.libra is not None and step > 0:
+                    r, plan = self.libra.split.plan(step, cfg.steps, self.rows, self.libra.switches)
+                    self._libra_switch(r, served, plan)
                 trajs, failed, rs = self._rollout(step)
                 if not trajs:
                     raise RuntimeError(f"step {step}: every episode failed ({failed[:3]})")
@@ -442,6 +514,8 @@ class RLLoop:
                        "groups": rs["groups"], "zero_variance_groups": rs["zero_variance_groups"],
                        "router": cfg.router, "router_cache_hit": rs["router_cache_hit"],
                        "failovers": len(events), "failover_s": [round(e.seconds, 3) for e in events]}
+                if self.libra is not None:
+                    row.update(self._libra_row, train_ranks=m["train_ranks"])
                 self.rows.append(row)
                 logger.info("step %d: reward %.3f, compression %.2fx, rollout %.2f s, train %.2f s, sync %.2f s, "
                             "mismatch max %.2e", step, row["reward_mean"], row["compression"], row["rollout_s"],

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..megatron import convert, cpu_shim
-from ..megatron.batch import build_step, model_inputs
+from ..megatron.batch import TreeMicrobatch, build_step, model_inputs
 from ..ops import tree_token_logprobs
 from ..rl import policy_loss
 from ..tree import Trajectory
@@ -100,11 +100,8 @@ class HartsTrainer:
 
     # -- training ---------------------------------------------------------------------------------
     def _microbatches(self, trajectories: Sequence[Trajectory]):
-        groups = {t.group_id for t in trajectories}
-        total = sum(len(t) for t in trajectories)
-        m = max(1, min(len(groups), math.ceil(total / self.microbatch_tokens)))
-        return build_step(trajectories, dp_size=1, dp_rank=0, num_microbatches=m, tree_packing=self.tree,
-                          chunk_size=self.chunk_size, step=self.step)
+        return step_microbatches(trajectories, microbatch_tokens=self.microbatch_tokens, tree=self.tree,
+                                 chunk_size=self.chunk_size, step=self.step)
 
     def _forward(self, mb):
         """logits ``[1, T, V]`` of one microbatch (on the parameters' device)."""
@@ -122,23 +119,8 @@ class HartsTrainer:
         mbs = self._microbatches(trajectories)
         t_pack = time.perf_counter() - t0
         self.opt.zero_grad(set_to_none=True)
-        diffs, loss_sum, lp_sum, traj_tok, compact = [], 0.0, 0.0, 0, 0
-        for mb in mbs:
-            mb = mb.to(self._param_device)
-            logits = self._forward(mb)
-            logprobs = tree_token_logprobs(logits[0], mb.pack)
-            n = mb.norms
-            rl = mb.rl if self.old_logprobs == "engine" else dataclasses.replace(mb.rl, old_logprobs=None)
-            loss, _ = policy_loss(logprobs, rl, global_num_tokens=n.num_tokens,
-                                  global_num_sequences=n.num_sequences, global_max_len=n.max_len, **self.loss_kwargs)
-            loss.backward()              # each microbatch's loss is its share of the global loss
-            loss_sum += float(loss.detach())
-            lp = torch.cat([x.detach().float() for x in logprobs])
-            lp_sum += float(lp[mb.rl.loss_mask].sum())
-            if mb.rl.old_logprobs is not None:
-                diffs.append((lp - mb.rl.old_logprobs)[mb.rl.loss_mask].abs().cpu())
-            traj_tok += mb.pack.num_trajectory_tokens
-            compact += mb.pack.num_tokens
+        totals = forward_backward(self._forward, mbs, self._param_device, loss_kwargs=self.loss_kwargs,
+                                  old_logprobs=self.old_logprobs)
         if self.device != "cpu":
             torch.cuda.synchronize()
         t_fb = time.perf_counter() - t0 - t_pack
@@ -148,15 +130,8 @@ class HartsTrainer:
             torch.cuda.synchronize()
         t_all = time.perf_counter() - t0
         self.step += 1
-        d = torch.cat(diffs) if diffs else torch.zeros(0)
-        out = {"loss": loss_sum, "grad_norm": grad_norm, "microbatches": len(mbs),
-               "nll": -lp_sum / max(1, mbs[0].norms.num_tokens),
-               "compression": traj_tok / max(compact, 1), "trajectory_tokens": traj_tok, "packed_tokens": compact,
-               "pack_s": t_pack, "fwd_bwd_s": t_fb, "optim_s": t_all - t_pack - t_fb, "train_s": t_all}
-        if d.numel():
-            out.update(logprob_mismatch_max=float(d.max()), logprob_mismatch_mean=float(d.mean()),
-                       logprob_mismatch_p99=float(torch.quantile(d.double(), 0.99)))
-        return out
+        return totals.metrics(grad_norm=grad_norm, num_tokens=mbs[0].norms.num_tokens, microbatches=len(mbs),
+                              pack_s=t_pack, fwd_bwd_s=t_fb, train_s=t_all)
 
     @torch.no_grad()
     def logprobs(self, trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
@@ -171,3 +146,80 @@ class HartsTrainer:
             for t, lp in zip(mb.pack.trajectories, lps):
                 out[order[id(t)]] = lp.float().cpu().numpy()
         return [out[i] for i in range(len(trajectories))]
+
+
+def step_microbatches(trajectories: Sequence[Trajectory], *, microbatch_tokens: int, tree: bool, chunk_size: int,
+                      step: int = 0, dp_size: int = 1, dp_rank: int = 0) -> list[TreeMicrobatch]:
+    """DP rank ``dp_rank``'s microbatches of one step over ``trajectories`` (the whole step's, the
+    same list on every rank): trees (one per group) assigned to ``dp_size`` x ``M`` microbatches
+    (``megatron.batch.build_step``), ``M = max(1, min(groups // dp_size, ceil(trajectory tokens /
+    (microbatch_tokens x dp_size))))`` computed identically on every rank (at most one tree a
+    microbatch). Every microbatch carries the step's **global** normalisers (masked tokens,
+    sequences, max length over all ranks), so the sum of the microbatch losses over microbatches
+    and ranks is the step's loss however the trees are split. ``tree=False``: trajectory-wise THD."""
+    groups = len({t.group_id for t in trajectories})
+    if groups < dp_size:
+        raise ValueError(f"{groups} groups (trees) for {dp_size} DP ranks: every rank needs at least one tree")
+    total = sum(len(t) for t in trajectories)
+    m = max(1, min(groups // dp_size, math.ceil(total / (microbatch_tokens * dp_size))))
+    return build_step(trajectories, dp_size=dp_size, dp_rank=dp_rank, num_microbatches=m, tree_packing=tree,
+                      chunk_size=chunk_size, step=step)
+
+
+@dataclasses.dataclass
+class StepTotals:
+    """One rank's sums over its microbatches of a step: ``loss`` (its share of the step's loss),
+    ``logprob_sum`` (nats, over trained tokens), trajectory / packed tokens, and ``diffs``: the
+    |trainer - engine| log-prob differences ``[n]`` of its trained tokens (empty without engine
+    log-probs). Sums over ranks give the step's (:meth:`add`)."""
+
+    loss: float = 0.0
+    logprob_sum: float = 0.0
+    trajectory_tokens: int = 0
+    packed_tokens: int = 0
+    diffs: list = dataclasses.field(default_factory=list)
+
+    def add(self, other: "StepTotals") -> "StepTotals":
+        return StepTotals(self.loss + other.loss, self.logprob_sum + other.logprob_sum,
+                          self.trajectory_tokens + other.trajectory_tokens, self.packed_tokens + other.packed_tokens,
+                          self.diffs + other.diffs)
+
+    def metrics(self, *, grad_norm: float, num_tokens: int, microbatches: int, pack_s: float, fwd_bwd_s: float,
+                train_s: float) -> dict:
+        """``train_step``'s metrics; ``num_tokens``: the step's (global) trained tokens."""
+        d = torch.cat(self.diffs) if self.diffs else torch.zeros(0)
+        out = {"loss": self.loss, "grad_norm": grad_norm, "microbatches": microbatches,
+               "nll": -self.logprob_sum / max(1, num_tokens),
+               "compression": self.trajectory_tokens / max(self.packed_tokens, 1),
+               "trajectory_tokens": self.trajectory_tokens, "packed_tokens": self.packed_tokens,
+               "pack_s": pack_s, "fwd_bwd_s": fwd_bwd_s, "optim_s": train_s - pack_s - fwd_bwd_s, "train_s": train_s}
+        if d.numel():
+            out.update(logprob_mismatch_max=float(d.max()), logprob_mismatch_mean=float(d.mean()),
+                       logprob_mismatch_p99=float(torch.quantile(d.double(), 0.99)))
+        return out
+
+
+def forward_backward(forward, mbs: Sequence[TreeMicrobatch], device, *, loss_kwargs: dict,
+                     old_logprobs: str = "trainer") -> StepTotals:
+    """Forward and backward of one rank's microbatches: ``forward(mb)`` gives logits ``[1, T, V]``,
+    per-trajectory log-probs ``[L_i - 1]`` (``tree_token_logprobs``), the clipped policy loss with the
+    step's global normalisers (``rl.policy_loss``; ``old_logprobs="trainer"`` drops the engine's
+    log-probs from the ratio), ``backward()`` per microbatch: each microbatch's loss is its share of
+    the step's loss, so the gradients accumulate to this rank's share of the step's gradient."""
+    tot = StepTotals()
+    for mb in mbs:
+        mb = mb.to(device)
+        logprobs = tree_token_logprobs(forward(mb)[0], mb.pack)
+        n = mb.norms
+        rl = mb.rl if old_logprobs == "engine" else dataclasses.replace(mb.rl, old_logprobs=None)
+        loss, _ = policy_loss(logprobs, rl, global_num_tokens=n.num_tokens,
+                              global_num_sequences=n.num_sequences, global_max_len=n.max_len, **loss_kwargs)
+        loss.backward()              # each microbatch's loss is its share of the global loss
+        tot.loss += float(loss.detach())
+        lp = torch.cat([x.detach().float() for x in logprobs])
+        tot.logprob_sum += float(lp[mb.rl.loss_mask].sum())
+        if mb.rl.old_logprobs is not None:
+            tot.diffs.append((lp - mb.rl.old_logprobs)[mb.rl.loss_mask].abs().cpu())
+        tot.trajectory_tokens += mb.pack.num_trajectory_tokens
+        tot.packed_tokens += mb.pack.num_tokens
+    return tot

@@ -37,6 +37,13 @@ gradients (read from ``main_grad``) are all-gathered over ``pgc.dp`` and summed 
 bitwise independent of the rank set. The optimizer is ``torch.optim.AdamW`` on ``param.grad =
 param.main_grad`` (what Megatron's ``FP32Optimizer`` does for fp32 parameters).
 
+The RL step (:meth:`train_step`, what ``RLLoop`` with ``libra_pool`` runs): ``HartsTrainer.train_step``
+data-parallel, through the functions the two share (``rollout.trainer.step_microbatches``,
+``forward_backward``, ``StepTotals``): the step's trees over DP x M microbatches, each rank its own
+tree packs, the policy loss of every microbatch with the step's global normalisers, backward through
+the DDP wrapper, ``finalize_model_grads(num_tokens=None)`` (a sum over ``pgc.dp``: the shares are
+already normalised), the gradient clipped by its norm, AdamW.
+
 Megatron's ``@jit_fuser`` functions are ``torch.compile``'d; on CPU compiling them costs 2 s per
 process with a warm inductor cache and 10-15 s cold (3 workers on 2 cores: most of a minute), so
 the worker turns dynamo off (``torch._dynamo.config.disable``) and they run eagerly.
@@ -55,7 +62,10 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MegatronReplica", "dp_collection"]
+__all__ = ["MegatronReplica", "dp_collection", "RL_DEFAULTS"]
+
+#: the RL step's settings (``HartsTrainer``'s defaults)
+RL_DEFAULTS = {"tree": True, "microbatch_tokens": 1 << 16, "grad_clip": 1.0, "loss": None, "old_logprobs": "trainer"}
 
 
 def dp_collection(group):
@@ -85,13 +95,17 @@ class MegatronReplica:
         chunk_size: the tree packs' chunk length (tokens) for the GDN chunked kernel.
         ddp_config: Megatron ``DistributedDataParallelConfig`` kwargs (default: no overlap, no
             distributed optimizer, fp32 grad buffer, sum in the collective).
+        betas: AdamW betas (``HartsTrainer`` uses (0.9, 0.99)).
+        rl: the RL step's settings (:meth:`train_step`): ``tree`` (HARTS tree packs, else
+            trajectory-wise THD), ``microbatch_tokens``, ``grad_clip``, ``loss`` (``rl.policy_loss``
+            kwargs), ``old_logprobs`` (``trainer`` or ``engine``), as ``HartsTrainer`` takes them.
 
     Needs ``torch.distributed`` initialised (the pool's world group, gloo) before construction:
     Megatron's ``parallel_state`` is initialised over it (a collective over the world).
     """
 
     def __init__(self, hf_config: dict, *, seed: int = 0, lr: float = 1e-3, chunk_size: int = 16,
-                 ddp_config: dict | None = None):
+                 ddp_config: dict | None = None, betas: tuple[float, float] = (0.9, 0.999), rl: dict | None = None):
         import torch._dynamo
 
         from megatron_harts.megatron import convert, cpu_shim
@@ -106,7 +120,16 @@ class MegatronReplica:
         torch.manual_seed(seed)                      # weights are initialised on the host (use_cpu_initialization)
         self.module = convert.build_megatron_model(self.args, tree=True, calculate_per_token_loss=True)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0, betas=tuple(betas))
+        rl = dict(rl or {})
+        bad = set(rl) - set(RL_DEFAULTS)
+        if bad:
+            raise ValueError(f"MegatronReplica rl: unknown settings {sorted(bad)} (known: {sorted(RL_DEFAULTS)})")
+        self.rl = {**RL_DEFAULTS, **rl}
+        if self.rl["old_logprobs"] not in ("trainer", "engine"):
+            raise ValueError(f"old_logprobs must be 'trainer' or 'engine', got {self.rl['old_logprobs']!r}")
+        self.loss_kwargs = dict(loss_type="grpo", loss_agg_mode="token-mean", **(self.rl["loss"] or {}))
+        self.steps = 0
         self.ddp_kwargs = {**dict(overlap_grad_reduce=False, use_distributed_optimizer=False, grad_reduce_in_fp32=True,
                                   average_in_collective=False), **(ddp_config or {})}
         self.ddp = None
@@ -262,6 +285,78 @@ class MegatronReplica:
                     off += p.numel()
         self._use_main_grads()
         return self._main_grads().numpy().copy()
+
+    # -- the RL step (HartsTrainer's, data-parallel) ---------------------------------------------
+
+    def _forward_mb(self, mb):
+        """logits ``[1, T, V]`` of one microbatch through the DDP wrapper (its hooks fill ``main_grad``)."""
+        from megatron_harts.megatron.batch import model_inputs
+
+        tokens, position_ids, params = model_inputs(mb)
+        return self._need_ddp()(tokens, position_ids, None, packed_seq_params=params)
+
+    def rl_grads(self, trajectories, me: int, dp: int):
+        """Reduced gradient of the RL loss of one step (``HartsTrainer.train_step``'s, without the
+        clip and the optimizer step); this rank is DP rank ``me`` of ``dp``. Every rank is given
+        the whole step's ``trajectories``; ``trainer.step_microbatches`` assigns the trees to
+        ``dp`` x ``M`` microbatches identically on every rank and this rank packs its own
+        (``tree``: HARTS tree packs), each microbatch's ``policy_loss`` carrying the step's
+        **global** normalisers (tokens, sequences, max length), so the loss is the sum of the
+        ranks' shares whatever the split. Backward through the DDP wrapper accumulates the local
+        share into the grad buffer; ``finalize_model_grads(num_tokens=None)`` all-reduces (sums:
+        ``calculate_per_token_loss`` sets DDP's gradient scaling to 1) over ``pgc.dp`` and scales
+        nothing more: the shares are already normalised. ``param.grad = main_grad`` afterwards.
+        Returns ``(totals, num_tokens, microbatches, pack_s)``: this rank's
+        :class:`~megatron_harts.rollout.trainer.StepTotals`, the step's trained tokens."""
+        from megatron.core.distributed import finalize_model_grads
+
+        from megatron_harts.rollout.trainer import forward_backward, step_microbatches
+
+        ddp = self._need_ddp()
+        t0 = time.perf_counter()
+        self.module.train()
+        mbs = step_microbatches(trajectories, microbatch_tokens=self.rl["microbatch_tokens"], tree=self.rl["tree"],
+                                chunk_size=self.chunk_size, step=self.steps, dp_size=dp, dp_rank=me)
+        pack_s = time.perf_counter() - t0
+        self.opt.zero_grad(set_to_none=True)
+        ddp.zero_grad_buffer()
+        totals = forward_backward(self._forward_mb, mbs, torch.device("cpu"), loss_kwargs=self.loss_kwargs,
+                                  old_logprobs=self.rl["old_logprobs"])
+        finalize_model_grads([ddp], num_tokens=None, pg_collection=self.pgc)
+        self._use_main_grads()
+        return totals, mbs[0].norms.num_tokens, len(mbs), pack_s
+
+    def _reduce_totals(self, totals):
+        """The step's :class:`StepTotals`: sums over ``pgc.dp`` (gloo) of every rank's."""
+        from megatron_harts.rollout.trainer import StepTotals
+
+        x = torch.tensor([totals.loss, totals.logprob_sum, totals.trajectory_tokens, totals.packed_tokens],
+                         dtype=torch.float64)
+        dist.all_reduce(x, group=self.pgc.dp)
+        diffs: list = [None] * dist.get_world_size(self.pgc.dp)
+        dist.all_gather_object(diffs, torch.cat(totals.diffs) if totals.diffs else torch.zeros(0), group=self.pgc.dp)
+        d = [t for t in diffs if t.numel()]
+        return StepTotals(float(x[0]), float(x[1]), int(x[2]), int(x[3]), d)
+
+    def train_step(self, trajectories, me: int, dp: int) -> dict:
+        """One RL optimizer step over the DP group (:meth:`rl_grads`, then the gradient clipped to
+        ``grad_clip`` by its global norm (every rank holds the same reduced ``main_grad``: no model
+        parallelism, so the local norm is the global one), AdamW). Returns ``HartsTrainer.train_step``'s
+        metrics of the whole step (losses, tokens and mismatch summed / gathered over the ranks)."""
+        t0 = time.perf_counter()
+        totals, num_tokens, mbs, pack_s = self.rl_grads(trajectories, me, dp)
+        fb_s = time.perf_counter() - t0 - pack_s
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.rl["grad_clip"]))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        totals = self._reduce_totals(totals)
+        return totals.metrics(grad_norm=grad_norm, num_tokens=num_tokens, microbatches=mbs, pack_s=pack_s,
+                              fwd_bwd_s=fb_s, train_s=time.perf_counter() - t0)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
 
     # -- export --------------------------------------------------------------------------------
 

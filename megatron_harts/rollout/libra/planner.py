@@ -92,7 +92,7 @@ class ProgramEstimator:
 
 @dataclass
 class Plan:
-    mode: str                  # "split" | "elastic" | "async"
+    mode: str                  # "split" | "elastic" | "async" | "stream" | "sync"
     rollout_gpus: int
     train_gpus: int
     predicted_step_s: float
@@ -302,3 +302,32 @@ class StreamPlanner:
         if gain <= self.margin * cost:
             return Plan("stream", current, self.gpus - current, costs[current], {**detail, "why": "hysteresis"})
         return Plan("stream", best, self.gpus - best, costs[best], {**detail, "why": "move"})
+
+    def sync_step_s(self, m: StreamMeasure, r: int, work: tuple[float, float]) -> float:
+        """Predicted seconds of a **synchronous** step on ``r`` rollout GPUs: rollout, then training
+        (+ sync), one after the other: the sum where :meth:`step_s` takes the max."""
+        return self.rollout_step_s(m, r) + self.train_step_s(m, self.gpus - r, work)
+
+    def plan_sync(self, m: StreamMeasure | None, current: int, work: tuple[float, float], steps_left: int) -> Plan:
+        """``current`` or a better split for synchronous RL (the real loop's ``RLLoop`` with
+        ``libra_pool``), from the same measured rates as :meth:`plan`. Objective
+        :meth:`sync_step_s`; no bottleneck rule (in a synchronous step each side waits for the other
+        every step, so ``idle_frac`` carries nothing); no re-split before ``min_intervals`` measured
+        steps. Hysteresis: the whole pool waits while workers switch, so a move of ``k`` GPUs costs
+        ``k x switch_s`` (to rollout) or ``k x switch_back_s`` (to training) once, and is taken only
+        if the predicted saving over the next ``min(horizon, steps_left)`` steps exceeds ``margin``
+        times that. ``detail['why']``: ``not converged``, ``best``, ``hysteresis`` or ``move``."""
+        if m is None or m.intervals < self.min_intervals:
+            return Plan("sync", current, self.gpus - current, math.nan, {"why": "not converged"})
+        costs = {r: self.sync_step_s(m, r, work) for r in range(1, self.gpus)}
+        best = min(costs, key=lambda r: (costs[r], abs(r - current)))
+        detail = {"costs": costs}
+        if best == current:
+            return Plan("sync", current, self.gpus - current, costs[current], {**detail, "why": "best"})
+        moved = abs(best - current)
+        cost = moved * (self.switch_s if best > current else self.switch_back_s)
+        gain = (costs[current] - costs[best]) * min(self.horizon, steps_left)
+        detail.update(gain_s=gain, switch_cost_s=cost, candidate=best)
+        if gain <= self.margin * cost:
+            return Plan("sync", current, self.gpus - current, costs[current], {**detail, "why": "hysteresis"})
+        return Plan("sync", best, self.gpus - best, costs[best], {**detail, "why": "move"})

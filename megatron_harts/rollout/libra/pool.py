@@ -33,6 +33,10 @@ The trainer (``trainer``):
   by DDP's grad sync and ``finalize_model_grads``, and the engine serves the Megatron weights
   converted to the HF layout (``convert.iter_megatron_to_hf``, the ``WeightSync`` path).
 
+The RL step (``train_step``, Megatron trainer; ``rl_grads`` without the optimizer step): every
+training worker gets the step's trajectories and runs ``MegatronReplica.train_step`` on its share
+(``RLLoop`` with ``libra_pool`` drives it, :mod:`.elastic_loop`).
+
 Gradients of a global batch (``grads``): each DP rank takes samples ``i = rank (mod dp)``; the loss
 is the global token-mean NLL. ``mode="deterministic"``: per-sample gradients are all-gathered and
 summed in sample order, so the result is bitwise independent of how many ranks computed it;
@@ -64,16 +68,18 @@ class PoolWorker:
     which needs the world group for Megatron's ``parallel_state``)."""
 
     def __init__(self, rank: int, world: int, hf_config: dict, *, trainer: str = "hf", seed: int = 0,
-                 threads: int = 1, lr: float = 1e-3, timeout_s: float = 120.0):
+                 threads: int = 1, lr: float = 1e-3, timeout_s: float = 120.0, replica: dict | None = None):
         if trainer not in TRAINERS:
             raise ValueError(f"trainer must be one of {TRAINERS}, got {trainer!r}")
+        if replica and trainer != "megatron":
+            raise ValueError("replica settings (the RL step's) need trainer='megatron'")
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
         self.torch, self.dist = torch, dist
         self.rank, self.world, self.hf_config, self.timeout_s = rank, world, dict(hf_config), timeout_s
-        self.trainer, self.seed, self.lr = trainer, seed, lr
+        self.trainer, self.seed, self.lr, self.replica_kwargs = trainer, seed, lr, dict(replica or {})
         self.replica = None
         self.model = self.params = self.opt = None
         if trainer == "hf":
@@ -108,7 +114,7 @@ class PoolWorker:
             from .megatron_replica import MegatronReplica
 
             t1 = time.perf_counter()
-            self.replica = MegatronReplica(self.hf_config, seed=self.seed, lr=self.lr)
+            self.replica = MegatronReplica(self.hf_config, seed=self.seed, lr=self.lr, **self.replica_kwargs)
             self.model, self.params, self.opt = self.replica.module, self.replica.params, self.replica.opt
             logger.info("worker %d: world group %.2fs, Megatron setup %.2fs", self.rank, t1 - t0,
                         time.perf_counter() - t1)
@@ -209,6 +215,30 @@ class PoolWorker:
                 flat = flat + gathered[i % dp][i // dp]
         self._set_grad(flat)
         return flat.numpy().copy()
+
+    def _need_replica(self):
+        if self.replica is None:
+            raise RuntimeError("the RL step needs the Megatron trainer (trainer='megatron')")
+        return self.replica
+
+    def rl_grads(self, trajectories):
+        """The reduced gradient ``[P]`` (fp32 numpy, before clipping) of one RL step over
+        ``trajectories`` (the whole step's; ``MegatronReplica.rl_grads``), without stepping."""
+        self._need_dp()
+        rep = self._need_replica()
+        rep.rl_grads(trajectories, self.dp_ranks.index(self.rank), len(self.dp_ranks))
+        return rep._main_grads().numpy().copy()
+
+    def train_step(self, trajectories) -> dict:
+        """One RL step (``MegatronReplica.train_step``: tree-packed microbatches of this rank's
+        share, policy loss, Megatron DDP reduction, clipping, AdamW); metrics of the whole step."""
+        self._need_dp()
+        out = self._need_replica().train_step(trajectories, self.dp_ranks.index(self.rank), len(self.dp_ranks))
+        return {**out, "train_ranks": list(self.dp_ranks)}
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
 
     def step(self) -> None:
         """Optimizer step with the gradients of the last :meth:`grads`."""
@@ -347,11 +377,13 @@ class ElasticPool:
     ``trainer``: ``"hf"`` or ``"megatron"`` (see the module docstring). ``timeout_s``: the world
     group's collective timeout (a collective missing a member fails after it instead of hanging).
     ``cpus_per_worker``: Ray CPUs each actor reserves (0 lets a 2-core machine hold any number).
+    ``replica``: ``MegatronReplica`` keyword arguments (``chunk_size``, ``betas``, ``rl``: the RL
+    step's settings) for the Megatron trainer.
     The driver must have Ray initialised or lets this class start a local cluster."""
 
     def __init__(self, n: int, hf_config: dict, work_dir: str, *, trainer: str = "hf", seed: int = 0,
                  threads: int = 1, lr: float = 1e-3, cpus_per_worker: float = 0, resident_engines: bool = False,
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, replica: dict | None = None):
         import ray
 
         if n < 2:
@@ -368,11 +400,13 @@ class ElasticPool:
         Actor = ray.remote(num_cpus=cpus_per_worker)(PoolWorker)
         self.trainer = trainer
         self.workers = [Actor.remote(r, n, hf_config, trainer=trainer, seed=seed, threads=threads, lr=lr,
-                                     timeout_s=timeout_s) for r in range(n)]
+                                     timeout_s=timeout_s, replica=replica) for r in range(n)]
         # rendezvous on the node where Ray placed rank 0 (the TCP store's host)
         init = ray.get(self.workers[0].address.remote())
         self.init_s = max(ray.get([w.setup.remote(init) for w in self.workers]))
+        self.n = n
         self.training = list(range(n))
+        self.urls: dict[int, str] = {}        # serving workers' engine URLs
         self.resident = resident_engines
         self.version = 0
         self.set_dp(self.training)
@@ -392,6 +426,30 @@ class ElasticPool:
                 raise RuntimeError("DP ranks disagree on the reduced gradient")
         return outs[0]
 
+    def rl_grads(self, trajectories):
+        """The reduced RL gradient (``PoolWorker.rl_grads``) every training worker holds, checked
+        bitwise equal across them (they all hold the all-reduced grad buffer)."""
+        import numpy as np
+        outs = self._get([self.workers[r].rl_grads.remote(trajectories) for r in self.training])
+        for o in outs[1:]:
+            if not np.array_equal(o, outs[0]):
+                raise RuntimeError("DP ranks disagree on the reduced RL gradient")
+        return outs[0]
+
+    def train_step(self, trajectories) -> dict:
+        """One RL step on the training workers (Megatron trainer); returns training rank 0's
+        metrics (``train_ranks``: who trained) after checking every rank's ``grad_norm`` and loss agree."""
+        outs = self._get([self.workers[r].train_step.remote(trajectories) for r in self.training])
+        for o in outs[1:]:
+            if (o["grad_norm"], o["loss"]) != (outs[0]["grad_norm"], outs[0]["loss"]):
+                raise RuntimeError("DP ranks disagree on the RL step's gradient norm or loss")
+        self.version += 1
+        return outs[0]
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate of every worker (the serving ones keep it for their return)."""
+        self._get([w.set_lr.remote(lr) for w in self.workers])
+
     def step(self) -> str:
         self._get([self.workers[r].step.remote() for r in self.training])
         self.version += 1
@@ -400,23 +458,31 @@ class ElasticPool:
     def params(self, rank: int):
         return self._get(self.workers[rank].params_flat.remote())
 
-    def to_rollout(self, rank: int) -> dict:
-        """Worker ``rank`` leaves training and serves rollouts on its current weights."""
+    def to_rollout(self, rank: int, version: str | None = None) -> dict:
+        """Worker ``rank`` leaves training and serves rollouts on its current weights, tagged
+        ``version`` (default ``v<steps taken>``)."""
         if rank not in self.training or len(self.training) < 2:
             raise ValueError(f"worker {rank} cannot leave training (training: {self.training})")
         t0 = time.perf_counter()
         self.training = [r for r in self.training if r != rank]
         rebuild = self.set_dp(self.training)
-        version = f"v{self.version}"
+        version = version or f"v{self.version}"
         eng = self._get(self.workers[rank].start_engine.remote(str(self.work_dir / f"w{rank}_{version}"), version,
                                                                str(self.work_dir / f"engine{rank}.log")))
+        self.urls[rank] = eng["url"]
         return {"rebuild_s": rebuild, "total_s": time.perf_counter() - t0, **eng}
+
+    def export(self, version: str | None = None) -> tuple[str, float]:
+        """The trainers' current weights as an HF checkpoint ``<work_dir>/train_<version>`` (training
+        rank 0 writes it: the sync path); returns ``(path, seconds)``."""
+        version = version or f"v{self.version}"
+        path = str(self.work_dir / f"train_{version}")
+        return path, self._get(self.workers[self.training[0]].export.remote(path, version))
 
     def publish(self, rank: int) -> dict:
         """Push the trainers' current weights to the engine of worker ``rank`` (the sync path)."""
         version = f"v{self.version}"
-        path = str(self.work_dir / f"train_{version}")
-        export_s = self._get(self.workers[self.training[0]].export.remote(path, version))
+        path, export_s = self.export(version)
         push_s = self._get(self.workers[rank].update_engine.remote(path, version))
         return {"export_s": export_s, "push_s": push_s, "version": version}
 
@@ -437,6 +503,7 @@ class ElasticPool:
             raise ValueError(f"worker {rank} is already training")
         t0 = time.perf_counter()
         stop = self._get(self.workers[rank].stop_engine.remote(self.resident))
+        self.urls.pop(rank, None)
         src = self.training[0]
         self.training = sorted(self.training + [rank])
         rebuild = self.set_dp(self.training)
