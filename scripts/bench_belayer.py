@@ -750,7 +750,7 @@ def bench_overhead(args, workdir, device):
     every = args.overhead_stream_interval
     start = _server_factory(args, workdir, state={"engine_args": f"{args.engine_args} --stream-interval {every}"
                                                   if every > 1 else args.engine_args})
-    cfg = RolloutConfig(group_size=4, max_new_tokens=16, max_concurrency=8, seed=0,
+    cfg = RolloutConfig(group_size=4, max_new_tokens=args.overhead_max_new_tokens, max_concurrency=8, seed=0,
                         temperature=args.overhead_temperature)
     tasks = list(range(4))
     mk = lambda t: make_env("code_repair", int(t), seed=0, max_turns=3)     # noqa: E731
@@ -770,7 +770,7 @@ def bench_overhead(args, workdir, device):
     try:
         url = sup.worker(0).engine.url
         for r in tqdm(range(args.overhead_reps + 1), desc="overhead rounds"):   # the first round warms up
-            for kind in kinds:
+            for kind in kinds[r % 4:] + kinds[:r % 4]:      # rotated: no variant always runs after the same one
                 engines = [ResumableEngine(sup, 0)] if kind in ("engine", "belayer") else [HttpEngine(url)]
                 factory = ckpt_env if kind in ("env", "belayer") else mk
                 loop = (BelayerAgentLoop if kind in ("env", "belayer") else AgentLoop)(engines, ByteTokenizer(),
@@ -796,7 +796,7 @@ def bench_overhead(args, workdir, device):
         same_expected = greedy or args.engine == "embedded" or "--enable-deterministic-inference" in args.engine_args
         differ = 0
         for i in tqdm(range(args.overhead_reps * 8), desc="engine requests"):
-            sp = SamplingParams(max_new_tokens=16, stop_token_ids=[], seed=None if greedy else i,
+            sp = SamplingParams(max_new_tokens=args.overhead_max_new_tokens, stop_token_ids=[], seed=None if greedy else i,
                                 temperature=args.overhead_temperature)
             t0 = time.monotonic()
             a = plain_e.generate(prompt, sp)
@@ -818,7 +818,8 @@ def bench_overhead(args, workdir, device):
                  "lost_trajectories": 0, "overhead_pct": statistics.median(pairs_e), "reps": len(pairs_e),
                  "spread": {"overhead_pct_paired": [min(pairs_e), max(pairs_e)]}, "device": device,
                  "stream_interval": every, "outputs_differ": differ, "outputs_must_match": same_expected,
-                 "note": f"16-token requests with a 64-token prompt, one server (--stream-interval {every}), plain and "
+                 "max_new_tokens": args.overhead_max_new_tokens,
+                 "note": f"{args.overhead_max_new_tokens}-token requests with a 64-token prompt, one server (--stream-interval {every}), plain and "
                          "resumable alternated; overhead_pct: median of the paired differences"})
     for kind in ("engine", "env", "belayer"):
         pairs = [100 * (y - x) / x for x, y in zip(times["plain"], times[kind])]
@@ -831,9 +832,11 @@ def bench_overhead(args, workdir, device):
                                 "rollout_s": [min(times[kind]), max(times[kind])],
                                 "baseline_rollout_s": [min(times["plain"]), max(times["plain"])]},
                      "device": device, "rollout_s": b, "stream_interval": every,
+                     "overhead_pct_of_medians": 100 * (b - p) / p,
+                     "max_new_tokens": args.overhead_max_new_tokens,
                      "note": "16 code_repair episodes (tiny steered random model: random shell commands, <= 3 "
-                             f"turns, one server with --stream-interval {every}), the four variants alternated each "
-                             "round; overhead_pct: median of the paired differences"})
+                             f"turns of <= {args.overhead_max_new_tokens} tokens, one server with --stream-interval "
+                             f"{every}), the four variants alternated each round, order rotated; overhead_pct: median of the paired differences"})
     return rows
 
 
@@ -850,6 +853,9 @@ def main(argv=None):
                    help="overhead part: sampling temperature of the rollouts (0: greedy, no per-request seeds; on the "
                         "H200 SGLang 0.5.17 stalled its scheduler for ~80 s compiling the seeded sampler for new "
                         "batch sizes)")
+    p.add_argument("--overhead-max-new-tokens", type=int, default=16,
+                   help="overhead part: new tokens per turn and per engine-side request (16: the rows before 2026-12-03's "
+                        "fourth session; agentic turns are longer, which dilutes per-turn costs)")
     p.add_argument("--overhead-stream-interval", type=int, default=8,
                    help="overhead part: the server's --stream-interval (tokens per streamed event; 1: an event per "
                         "token, the setting of the rows recorded before 2026-12-02 18:00)")
