@@ -5,7 +5,10 @@
 # (ARGS: extra arguments of that step, split on spaces)
 # Step STEP writes into $OUT/STEP/ (log in STEP.log); a step over its budget is stopped by its
 # --watchdog (it dumps its stacks; partial JSON stays) or else by `timeout`, and the next step runs.
-# Everything ends up in $OUT/results.tgz, fla/Triton autotuning archives included.
+# Everything ends up in $OUT/results.tgz, fla/Triton autotuning archives included; the step folders
+# are then removed (KEEP_STEP_FILES=1 keeps them): the device returns at most 8 files per call, and
+# on 2026-12-03 a second plan's folder in the same call was lost that way. Give each plan of a call
+# its own OUT (OUT=$OUT/a ... ; OUT=$OUT/b ...): each leaves plan.log and results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Provenance (the device gets a copy of the working tree without .git): the commit given by the
@@ -36,4 +39,7 @@ for spec in "$@"; do
   echo "[gpu_plan] $step rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/plan.log"
   tail -n 12 "$OUT/$step/$step.log"
 done
-(cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*)
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*) || exit 1
+if [ "${KEEP_STEP_FILES:-0}" != 1 ]; then
+  for spec in "$@"; do rm -rf "${OUT:?}/${spec%%:*}"; done    # packed above
+fi
