@@ -25,8 +25,8 @@ Parts (``--parts``, default ``drafters,cpu``):
   ``spec_verify_ct``. Every server gets the same flags (no overlap schedule, Triton attention,
   CUDA graphs off unless ``--cuda-graph``); rows are written as they come (``"partial": true``
   until the end), ``--deadline-s`` bounds the run (phases that would not fit are skipped, and the
-  rows say so); server logs go to ``war_h200/`` next to ``--out``. NOT RUN YET; the command is in
-  docs/war.md (write ``--out`` under ``$OUT`` on the lent GPU, or the rows do not come back).
+  rows say so); server logs go to ``war_h200/`` next to ``--out``, packed into ``war_h200.tgz`` at
+  the end. Runs 1-4 are in docs/war.md with their commands (write ``--out`` under ``$OUT`` on the lent GPU, or the rows do not come back).
 
 Rows ``{part, load, concurrency, policy, tokens_per_s, makespan_s, cache_hit, accept_len, device}``
 go to ``--out`` (default docs/benchmarks/war.json), the plot next to it.
@@ -901,6 +901,19 @@ def part_h200(args, sink) -> None:
     clock.phase("h200 done: %d rows", sum(1 for r in sink.rows if r.get("part") == "h200"))
 
 
+def _pack_server_logs(folder: Path) -> None:
+    """``folder`` (server logs, feeds, the plugin's install) as ``folder.tgz``, then removed: the lent
+    GPU returns at most 8 files per call, and run 4's suffix server log was left out that way."""
+    import tarfile
+
+    if not folder.is_dir():
+        return
+    with tarfile.open(folder.with_suffix(".tgz"), "w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    shutil.rmtree(folder)
+    log.info("server logs packed into %s", folder.with_suffix(".tgz"))
+
+
 class _Sink:
     """The rows of this run (plus the kept ones of ``--merge``), rewritten to ``out`` (atomically)
     after each h200 row, with ``"partial": true`` until the run ends."""
@@ -1126,7 +1139,10 @@ def main(argv=None) -> int:
         if "cpu" in parts:
             sink.rows += part_cpu(args)
         if "h200" in parts:
-            part_h200(args, sink)
+            try:
+                part_h200(args, sink)
+            finally:
+                _pack_server_logs(Path(args.out).resolve().parent / "war_h200")
     except KeyboardInterrupt:
         rc = 130
     sink.save(partial=rc != 0)
