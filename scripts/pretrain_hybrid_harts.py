@@ -30,8 +30,7 @@ from megatron.training import pretrain  # noqa: E402
 from megatron.training.argument_utils import hybrid_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 
-from megatron_harts.megatron.arguments import (TreePackingArgumentError, add_tree_packing_args,  # noqa: E402
-                                              validate_tree_packing_args)
+from megatron_harts.megatron.arguments import add_tree_packing_args, validate_tree_packing_args_or_exit  # noqa: E402
 from megatron_harts.megatron.training import (configure_model, forward_step,  # noqa: E402
                                               train_valid_test_datasets_provider, use_prebuilt_dataset_helpers)
 
@@ -40,10 +39,7 @@ def main():
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
     args = parse_and_validate_args(extra_args_provider=add_tree_packing_args,
                                    args_defaults={"tokenizer_type": "NullTokenizer", "dataloader_type": "external"})
-    try:
-        validate_tree_packing_args(args)
-    except TreePackingArgumentError as e:
-        raise SystemExit(str(e)) from None
+    validate_tree_packing_args_or_exit(args)
     if args.tree_trajectories is None:
         raise SystemExit("--tree-trajectories PATH (trajectory JSONL) is required")
     if not os.path.isfile(args.tree_trajectories):

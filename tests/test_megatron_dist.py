@@ -381,6 +381,36 @@ def test_data_provider_exits_with_the_file_line_and_field(text, msg, tmp_path, m
     assert msg.format(path=path) in str(e.value.code), e.value.code
 
 
+def test_launch_validation_exits_with_the_message_not_a_traceback():
+    """``validate_tree_packing_args_or_exit`` (the launch script's and the Megatron patch's call):
+    an unsupported combination ends the process with the message (SystemExit), a valid one passes."""
+    from megatron_harts.megatron.arguments import validate_tree_packing_args_or_exit
+    with pytest.raises(SystemExit) as e:
+        validate_tree_packing_args_or_exit(_megatron_args(BASE + ["--context-parallel-size", "2"]))
+    assert "invalid arguments for tree packing" in str(e.value.code) and "context parallelism" in str(e.value.code)
+    validate_tree_packing_args_or_exit(_megatron_args(BASE))
+
+
+@pytest.mark.parametrize("per_step,flag", [(3, "--tree-groups-per-step 3"), (None, "--global-batch-size (groups per step) 5")])
+def test_data_provider_exits_when_a_step_needs_more_groups_than_the_file_has(per_step, flag, tmp_path, monkeypatch):
+    from megatron.core import mpu
+
+    from megatron_harts.megatron import training
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"tokens": [1, 2], "group_id": "a"}\n{"tokens": [1, 3], "group_id": "b"}\n')
+    monkeypatch.setattr(training, "get_args", lambda: SimpleNamespace(
+        tree_trajectories=str(path), padded_vocab_size=64, tree_shuffle_seed=None, tree_groups_per_step=per_step,
+        global_batch_size=5, tree_packing=True, tree_chunk_size=16, tree_planner="greedy", tree_max_tokens=None))
+    monkeypatch.setattr(mpu, "get_data_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(mpu, "get_data_parallel_rank", lambda: 0)
+    monkeypatch.setattr(training, "get_num_microbatches", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    with pytest.raises(SystemExit) as e:
+        training.train_valid_test_datasets_provider(None)
+    msg = str(e.value.code)
+    assert msg.startswith(flag) and "exceeds the 2 groups" in msg and str(path) in msg, msg
+
+
 def test_configure_model_passes_the_attention_backend():
     from megatron_harts.megatron.training import configure_model
     args = _megatron_args(BASE + ["--tree-attention-backend", "flex"])

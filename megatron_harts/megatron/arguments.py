@@ -3,10 +3,10 @@
 Use as Megatron's ``extra_args_provider`` and validate after Megatron's own validation::
 
     from megatron.training.arguments import parse_and_validate_args
-    from megatron_harts.megatron.arguments import add_tree_packing_args, validate_tree_packing_args
+    from megatron_harts.megatron.arguments import add_tree_packing_args, validate_tree_packing_args_or_exit
 
     args = parse_and_validate_args(extra_args_provider=add_tree_packing_args)
-    validate_tree_packing_args(args)
+    validate_tree_packing_args_or_exit(args)     # or validate_tree_packing_args: raises TreePackingArgumentError
 
 Argument names of megatron-core 0.19.2 that are checked: ``context_parallel_size``,
 ``mtp_num_layers``, ``hybrid_layer_pattern`` (``hybrid_override_pattern`` is its deprecated
@@ -146,6 +146,16 @@ def tree_packing_errors(args) -> list[str]:
     if getattr(args, "tree_groups_per_step", None) is not None and args.tree_groups_per_step < 1:
         errs.append(f"--tree-groups-per-step must be >= 1, got {args.tree_groups_per_step}")
     return errs
+
+
+def validate_tree_packing_args_or_exit(args) -> None:
+    """:func:`validate_tree_packing_args` for launch scripts (``scripts/pretrain_hybrid_harts.py``,
+    ``patches/pretrain_hybrid_tree_packing.patch``): unsupported combinations end the process with
+    their message (``SystemExit``, exit status 1) instead of a traceback on every rank."""
+    try:
+        validate_tree_packing_args(args)
+    except TreePackingArgumentError as e:
+        raise SystemExit(str(e)) from None
 
 
 def validate_tree_packing_args(args) -> None:

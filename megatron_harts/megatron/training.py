@@ -90,11 +90,16 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     if args.tree_shuffle_seed is not None:
         random.Random(args.tree_shuffle_seed).shuffle(groups)
     dp = mpu.get_data_parallel_world_size()
-    it = TreeMicrobatchIterator(
-        groups, groups_per_step=args.tree_groups_per_step or args.global_batch_size, dp_size=dp,
-        dp_rank=mpu.get_data_parallel_rank(), num_microbatches=get_num_microbatches(),
-        tree_packing=args.tree_packing, chunk_size=args.tree_chunk_size, planner=args.tree_planner,
-        max_tokens=args.tree_max_tokens, log=torch.distributed.get_rank() == 0)
+    per_step = args.tree_groups_per_step or args.global_batch_size
+    try:
+        it = TreeMicrobatchIterator(
+            groups, groups_per_step=per_step, dp_size=dp,
+            dp_rank=mpu.get_data_parallel_rank(), num_microbatches=get_num_microbatches(),
+            tree_packing=args.tree_packing, chunk_size=args.tree_chunk_size, planner=args.tree_planner,
+            max_tokens=args.tree_max_tokens, log=torch.distributed.get_rank() == 0)
+    except ValueError as e:            # too few groups in the file for a step: every rank exits with one line
+        flag = "--tree-groups-per-step" if args.tree_groups_per_step else "--global-batch-size (groups per step)"
+        raise SystemExit(f"{flag} {per_step}: {e} ({args.tree_trajectories})") from None
     print_rank_0(f"> megatron_harts: {sum(len(g) for g in groups)} trajectories in {len(groups)} groups, "
                  f"tree packing {'on' if args.tree_packing else 'off (trajectory-wise baseline)'}")
     return it, None, None
