@@ -34,6 +34,23 @@ from ..tree import Trajectory
 logger = logging.getLogger(__name__)
 
 
+#: the RL step's settings and their defaults, shared by :class:`HartsTrainer` and the elastic pool's
+#: Megatron replicas (``libra.megatron_replica.MegatronReplica(rl=...)``): tree packs or THD,
+#: compact tokens per microbatch, gradient-norm clip, ``policy_loss`` keyword arguments, the ratio's
+#: denominator (``trainer`` or ``engine``)
+RL_STEP_DEFAULTS = {"tree": True, "microbatch_tokens": 1 << 16, "grad_clip": 1.0, "loss": None, "old_logprobs": "trainer"}
+#: AdamW betas of the RL step (both trainers)
+ADAM_BETAS = (0.9, 0.99)
+
+
+def rl_loss_kwargs(loss: dict | None, old_logprobs: str) -> dict:
+    """``policy_loss`` keyword arguments (GRPO, token-mean unless ``loss`` says otherwise); checks
+    ``old_logprobs``."""
+    if old_logprobs not in ("trainer", "engine"):
+        raise ValueError(f"old_logprobs must be 'trainer' or 'engine', got {old_logprobs!r}")
+    return dict(loss_type="grpo", loss_agg_mode="token-mean", **(loss or {}))
+
+
 class HartsTrainer:
     """One Megatron model + optimizer. ``hf_config``: Qwen3-Next config kwargs (what the engine
     loads); ``tree``: HARTS tree packing (else trajectory-wise THD packs); ``microbatch_tokens``:
@@ -47,16 +64,15 @@ class HartsTrainer:
     the rollout-train mismatch, and clipping can zero the gradient of mismatched tokens). The
     mismatch is measured either way."""
 
-    def __init__(self, hf_config: dict, *, tree: bool = True, lr: float = 1e-3, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, chunk_size: int = 16, microbatch_tokens: int = 1 << 16,
-                 device: str = "cpu", seed: int = 0, loss: dict | None = None, attention_backend: str = "auto",
-                 old_logprobs: str = "trainer"):
-        if old_logprobs not in ("trainer", "engine"):
-            raise ValueError(f"old_logprobs must be 'trainer' or 'engine', got {old_logprobs!r}")
+    def __init__(self, hf_config: dict, *, tree: bool = RL_STEP_DEFAULTS["tree"], lr: float = 1e-3,
+                 weight_decay: float = 0.0, grad_clip: float = RL_STEP_DEFAULTS["grad_clip"], chunk_size: int = 16,
+                 microbatch_tokens: int = RL_STEP_DEFAULTS["microbatch_tokens"], device: str = "cpu", seed: int = 0,
+                 loss: dict | None = None, attention_backend: str = "auto",
+                 old_logprobs: str = RL_STEP_DEFAULTS["old_logprobs"]):
+        self.loss_kwargs = rl_loss_kwargs(loss, old_logprobs)
         self.old_logprobs = old_logprobs
         self.hf_config, self.tree, self.chunk_size = dict(hf_config), tree, chunk_size
         self.microbatch_tokens, self.grad_clip, self.device = microbatch_tokens, grad_clip, device
-        self.loss_kwargs = dict(loss_type="grpo", loss_agg_mode="token-mean", **(loss or {}))
         self.args = convert.hf_config_to_megatron(self.hf_config)
         self._owns_cpu = False
         if device == "cpu":
@@ -79,7 +95,7 @@ class HartsTrainer:
             for m in self.model.modules():
                 if isinstance(m, TreeCoreAttention):
                     m.tree_attention_backend = attention_backend
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=ADAM_BETAS)
         self.step = 0
         logger.info("trainer: %s HybridModel %r, %.2fM params, %s", "tree-packed" if tree else "trajectory-wise",
                     self.args.pattern, sum(p.numel() for p in self.model.parameters()) / 1e6, device)

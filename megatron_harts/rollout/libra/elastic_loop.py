@@ -137,13 +137,14 @@ class LibraController:
                  lr: float = 1e-3, chunk_size: int = 16, rl: dict | None = None, timeout_s: float = 120.0):
         import ray
 
+        from ..trainer import ADAM_BETAS
         from .pool import ElasticPool
 
         self._owns_ray = not ray.is_initialized()
         t0 = time.perf_counter()
         self.pool = ElasticPool(n, hf_config, work_dir, trainer="megatron", seed=seed, lr=lr, resident_engines=True,
                                 timeout_s=timeout_s,
-                                replica=dict(chunk_size=chunk_size, betas=(0.9, 0.99), rl=dict(rl or {})))
+                                replica=dict(chunk_size=chunk_size, betas=ADAM_BETAS, rl=dict(rl or {})))
         self.start_s = time.perf_counter() - t0
         self.split, self.n = split, n
         self.trainer = PoolTrainer(self.pool)

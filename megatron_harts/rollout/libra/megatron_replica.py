@@ -62,10 +62,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MegatronReplica", "dp_collection", "RL_DEFAULTS"]
-
-#: the RL step's settings (``HartsTrainer``'s defaults)
-RL_DEFAULTS = {"tree": True, "microbatch_tokens": 1 << 16, "grad_clip": 1.0, "loss": None, "old_logprobs": "trainer"}
+__all__ = ["MegatronReplica", "dp_collection"]
 
 
 def dp_collection(group):
@@ -121,14 +118,14 @@ class MegatronReplica:
         self.module = convert.build_megatron_model(self.args, tree=True, calculate_per_token_loss=True)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0, betas=tuple(betas))
+        from megatron_harts.rollout.trainer import RL_STEP_DEFAULTS, rl_loss_kwargs
+
         rl = dict(rl or {})
-        bad = set(rl) - set(RL_DEFAULTS)
+        bad = set(rl) - set(RL_STEP_DEFAULTS)
         if bad:
-            raise ValueError(f"MegatronReplica rl: unknown settings {sorted(bad)} (known: {sorted(RL_DEFAULTS)})")
-        self.rl = {**RL_DEFAULTS, **rl}
-        if self.rl["old_logprobs"] not in ("trainer", "engine"):
-            raise ValueError(f"old_logprobs must be 'trainer' or 'engine', got {self.rl['old_logprobs']!r}")
-        self.loss_kwargs = dict(loss_type="grpo", loss_agg_mode="token-mean", **(self.rl["loss"] or {}))
+            raise ValueError(f"MegatronReplica rl: unknown settings {sorted(bad)} (known: {sorted(RL_STEP_DEFAULTS)})")
+        self.rl = {**RL_STEP_DEFAULTS, **rl}
+        self.loss_kwargs = rl_loss_kwargs(self.rl["loss"], self.rl["old_logprobs"])
         self.steps = 0
         self.ddp_kwargs = {**dict(overlap_grad_reduce=False, use_distributed_optimizer=False, grad_reduce_in_fp32=True,
                                   average_in_collective=False), **(ddp_config or {})}
