@@ -26,7 +26,10 @@ class SamplingParams:
     """SGLang's ``sampling_params`` subset used by the agent loop.
 
     ``stop_token_ids``: generation stops after emitting one of these (it is part of the output);
-    ``max_new_tokens`` bounds the turn (finish reason ``length``).
+    ``max_new_tokens`` bounds the turn (finish reason ``length``); ``priority``: the request's
+    scheduling priority (an int; larger is served first, SGLang's default direction), sent as the
+    top-level ``priority`` of ``/generate`` (not inside ``sampling_params``) and honoured only by
+    servers started with ``--enable-priority-scheduling``; ``None``: the field is not sent.
     """
 
     max_new_tokens: int = 64
@@ -35,6 +38,15 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None           # per-request sampling seed (SGLang: ``sampling_seed``)
+    priority: int | None = None       # SGLang's request ``priority`` (top-level field of /generate)
+
+    def __post_init__(self):
+        if self.priority is not None and (isinstance(self.priority, bool) or not isinstance(self.priority, int)):
+            raise ValueError(f"SamplingParams.priority must be an int or None, got {self.priority!r}")
+
+    def request_fields(self) -> dict[str, Any]:
+        """The top-level ``/generate`` fields besides ``sampling_params``: ``priority`` when set."""
+        return {} if self.priority is None else {"priority": int(self.priority)}
 
     def to_sglang(self) -> dict[str, Any]:
         """The ``sampling_params`` object of SGLang's ``/generate``."""

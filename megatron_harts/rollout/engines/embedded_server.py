@@ -8,7 +8,12 @@ A small HTTP server (stdlib ``ThreadingHTTPServer``) around a Hugging Face
 SGLang's native API that :class:`~megatron_harts.rollout.engines.http.HttpEngine` uses, with the
 same JSON shapes (see that module's table), so the client code path is the same on CPU (CI) and
 against SGLang on a GPU. It is a correctness reference, not a fast server: one request runs at a
-time (a scheduler thread takes requests from a FIFO queue), on the CPU.
+time (a scheduler thread takes requests from a FIFO queue), on the CPU. With
+``--enable-priority-scheduling`` (SGLang's flag) the queue is served by the request's top-level
+``priority`` instead, as SGLang 0.5.17's ``fcfs`` policy with that flag: larger values first
+(``--schedule-low-priority-values-first``: smaller first), ties in arrival order, a request without
+a priority last (SGLang gives it ``-sys.maxsize - 1``); a running request is never preempted.
+Without the flag ``priority`` is accepted and ignored, as SGLang does.
 
 Generation: a prefill of the prompt, then one-token incremental decoding steps that feed the
 model's cache back (attention KV and the linear-attention conv / recurrent states). Sampling
@@ -109,6 +114,7 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
     tick: threading.Event = field(default_factory=threading.Event)     # set every stream_interval tokens
     stream_interval: int = 1             # tokens per streamed event (the server's --stream-interval)
+    priority: int | None = None          # SGLang's request priority (used with priority scheduling)
 
 
 @dataclass
@@ -125,12 +131,15 @@ class EmbeddedEngine:
 
     ``model_path``: a local Hugging Face checkpoint directory; ``weight_version``: its tag;
     ``threads``: torch intra-op threads; ``stream_interval``: tokens per streamed event;
-    ``incremental_stream``: streamed events carry only their new tokens (else cumulative).
+    ``incremental_stream``: streamed events carry only their new tokens (else cumulative);
+    ``priority_scheduling``: serve queued requests by ``priority`` (SGLang's
+    ``--enable-priority-scheduling``), larger first unless ``low_priority_first``.
     """
 
     def __init__(self, model_path: str, weight_version: str | None = None, threads: int | None = None,
                  speculative=None, deterministic: bool = False, stream_interval: int = 1,
-                 incremental_stream: bool = False, load_format: str = "auto"):
+                 incremental_stream: bool = False, load_format: str = "auto", priority_scheduling: bool = False,
+                 low_priority_first: bool = False):
         import torch
 
         if load_format not in ("auto", "dummy"):
@@ -141,6 +150,8 @@ class EmbeddedEngine:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.stream_interval = int(stream_interval)
         self.incremental_stream = bool(incremental_stream)
+        self.priority_scheduling = bool(priority_scheduling)
+        self._priority_sign = 1 if low_priority_first else -1      # SGLang's SchedulePolicy.priority_sign
 
         # ``speculative``: a ``war.speculative.SpecConfig`` -> lossless suffix speculation (WAR)
         self.spec = None
@@ -358,10 +369,14 @@ class EmbeddedEngine:
         rid = body.get("rid") or secrets.token_hex(16)
         if not isinstance(rid, str):
             raise BadRequest("rid must be a string (no batches)")
+        priority = body.get("priority")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise BadRequest(f"priority must be an integer, got {priority!r}")
         return _Request(rid=rid, input_ids=ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
                         top_k=top_k, stop_ids=stop, seed=None if seed is None else int(seed),
                         return_logprob=bool(body.get("return_logprob")),
-                        speculative=bool(body.get("speculative", True)), stream_interval=self.stream_interval)
+                        speculative=bool(body.get("speculative", True)), stream_interval=self.stream_interval,
+                        priority=priority)
 
     def submit(self, req: _Request) -> None:
         with self._cv:
@@ -486,7 +501,7 @@ class EmbeddedEngine:
                 if self._control:
                     job, req = self._control.popleft(), None
                 else:
-                    job, req = None, self._queue.popleft()
+                    job, req = None, self._next_request()
                     req.state, self._running = "running", req
             if job is not None:
                 self._run_job(job)
@@ -497,6 +512,17 @@ class EmbeddedEngine:
                 log.exception("request %s failed", req.rid)
                 self._finish(req, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}",
                                    "status_code": 500, "err_type": "InternalServerError"})
+
+    def _next_request(self) -> _Request:
+        """Take the next queued request (``self._cv`` held): FIFO, or with priority scheduling the
+        first of the best ``priority * sign`` (SGLang's ``_sort_by_priority_and_fcfs`` key; no
+        priority counts as the worst, as SGLang's ``Scheduler._set_or_validate_priority``)."""
+        if not self.priority_scheduling:
+            return self._queue.popleft()
+        worst = sys.maxsize if self._priority_sign > 0 else -sys.maxsize - 1
+        req = min(self._queue, key=lambda r: (worst if r.priority is None else r.priority) * self._priority_sign)
+        self._queue.remove(req)
+        return req
 
     @staticmethod
     def _run_job(job: _Control) -> None:
@@ -879,6 +905,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy (as SGLang's): build the model from config.json without reading its weights; "
                         "generation is refused until POST /update_weights_from_tensor (or _from_disk) loads them")
+    p.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="serve queued requests by their priority, larger first (as SGLang's flag; default: FIFO)")
+    p.add_argument("--schedule-low-priority-values-first", action="store_true",
+                   help="with --enable-priority-scheduling: smaller priority values first (as SGLang's flag)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--speculative-algorithm", default=None, choices=["suffix"],
                    help="WAR: lossless suffix speculation over completed trajectories (default: off)")
@@ -905,7 +935,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = EmbeddedEngine(args.model_path, args.weight_version, args.threads, speculative=spec,
                             deterministic=args.enable_deterministic_inference, stream_interval=args.stream_interval,
-                            incremental_stream=args.incremental_streaming_output, load_format=args.load_format)
+                            incremental_stream=args.incremental_streaming_output, load_format=args.load_format,
+                            priority_scheduling=args.enable_priority_scheduling,
+                            low_priority_first=args.schedule_low_priority_values_first)
     httpd = serve(engine, args.host, args.port)
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, httpd), daemon=True).start()

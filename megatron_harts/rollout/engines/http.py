@@ -8,7 +8,7 @@ against SGLang 0.5.17's ``srt/entrypoints/http_server.py`` and ``srt/managers/io
 
 =====================================  =====================================================
 ``POST /generate``                     ``{"input_ids", "sampling_params", "return_logprob",
-                                       "rid"}`` -> ``{"output_ids", "meta_info": {"id",
+                                       "rid"[, "priority"]}`` -> ``{"output_ids", "meta_info": {"id",
                                        "finish_reason": {"type": "stop"|"length"|"abort",
                                        ...}, "prompt_tokens", "cached_tokens",
                                        "completion_tokens", "weight_version",
@@ -176,7 +176,7 @@ class HttpEngine:
         """
         rid = rid or uuid.uuid4().hex
         body = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling.to_sglang(),
-                "return_logprob": True, "rid": rid}
+                "return_logprob": True, "rid": rid, **sampling.request_fields()}
         t0 = time.perf_counter()
         try:
             d = self._json("POST", "/generate", body, retry_timeouts=False,
@@ -215,7 +215,7 @@ class HttpEngine:
         """
         rid = rid or uuid.uuid4().hex
         body = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling.to_sglang(),
-                "return_logprob": True, "rid": rid, "stream": True}
+                "return_logprob": True, "rid": rid, "stream": True, **sampling.request_fields()}
         timeout = self.timeout if timeout is None else float(timeout)
         t0 = time.perf_counter()
         out: list[int] = []

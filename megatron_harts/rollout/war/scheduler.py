@@ -21,6 +21,13 @@ replica earlier; they are also admitted first (``max_running``). A trajectory's 
 returns to its replica by default because that replica holds its prefix (``cached_r = L -
 new tokens``).
 
+Progress priority inside the engine (``SchedulerConfig(priority="progress")``, or
+:func:`with_progress_priority` around any placement): every turn carries
+``SamplingParams.priority`` = the turns its trajectory has done, so an engine started with
+``--enable-priority-scheduling`` (SGLang; the embedded engine honours the same flag) serves late
+trajectories first when its waiting queue is full, without holding turns back on the client (the
+admission gate lost on the H200: docs/war.md).
+
 :class:`SpecSwitch` turns speculation on below a measured load (``crossover`` concurrent
 trajectories; on CPU a parameter, on the H200 the crossover of ``scripts/bench_war.py``).
 """
@@ -31,12 +38,33 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from ..types import Engine, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+PRIORITY_MODES = (None, "progress")
+
+
+def progress_priority(turns_done: int) -> int:
+    """The engine priority of a turn whose trajectory has done ``turns_done`` turns: that count
+    (larger is served first in SGLang's default direction). Small integers on purpose: SGLang
+    0.5.17 preempts a running request when a waiting one's priority exceeds it by more than
+    ``--priority-scheduling-preemption-threshold`` (default 10), so a turn count only preempts
+    across more than 10 turns (the bench also passes ``--disable-priority-preemption``)."""
+    if turns_done < 0:
+        raise ValueError(f"turns_done must be >= 0, got {turns_done}")
+    return int(turns_done)
+
+
+def turns_of(rid: str | None) -> int | None:
+    """Turns done from the agent loop's rid ``traj_id#turns-n~tag`` (``None`` for other rids)."""
+    _, sep, rest = (rid or "").rpartition("#")
+    head = rest.split("-", 1)[0]
+    return int(head) if sep and head.isdigit() else None
 
 
 @dataclass
@@ -56,7 +84,10 @@ class SchedulerConfig:
     Qwen3-Next hybrid (docs/war.md). ``spec_replicas``: replicas that run speculative decoding
     (SGLang switches speculation per server, so the switch is a choice of replica);
     ``spec_crossover``: with turns in flight at most this many, turns go to those replicas, above it
-    to the others (:class:`SpecSwitch`; a kind with no usable replica falls back to all)."""
+    to the others (:class:`SpecSwitch`; a kind with no usable replica falls back to all);
+    ``priority``: ``"progress"`` gives every turn the engine priority :func:`progress_priority` of its
+    trajectory (turns done; the engine must run with ``--enable-priority-scheduling``), ``None``
+    sends none."""
 
     cache_tokens: int = 400_000
     block: int = 16
@@ -69,8 +100,11 @@ class SchedulerConfig:
     hybrid_cache: bool = False
     spec_replicas: tuple[int, ...] = ()
     spec_crossover: int = 0
+    priority: str | None = None
 
     def __post_init__(self):
+        if self.priority not in PRIORITY_MODES:
+            raise ValueError(f"SchedulerConfig.priority must be one of {PRIORITY_MODES}, got {self.priority!r}")
         if self.block < 1 or self.cache_tokens < self.block:
             raise ValueError(f"SchedulerConfig: block ({self.block}) must be >= 1 and <= cache_tokens "
                              f"({self.cache_tokens})")
@@ -217,6 +251,15 @@ class WarScheduler:
         tr = self._traj.get(traj_id)
         return (-tr.turns, -tr.length) if tr is not None else (0, 0)
 
+    def engine_priority(self, rid: str | None) -> int | None:
+        """The ``SamplingParams.priority`` of request ``rid`` under ``cfg.priority`` (``None``: off,
+        or a rid of no trajectory this scheduler placed nor of the agent loop's form)."""
+        if self.cfg.priority is None:
+            return None
+        tr = self._traj.get(traj_of(rid))
+        turns = tr.turns if tr is not None else turns_of(rid)
+        return None if turns is None else progress_priority(turns)
+
     # -- bookkeeping from the engine wrappers --------------------------------------------------------
     def started(self, replica: int, rid: str, tokens: Sequence[int], max_new: int) -> None:
         with self._lock:
@@ -289,6 +332,9 @@ class ScheduledEngine:
 
     def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None) -> Generation:
         self._admit(self.sched.priority(traj_of(rid)))
+        prio = self.sched.engine_priority(rid)
+        if prio is not None:
+            sampling = replace(sampling, priority=prio)
         key = rid or f"anon-{next(self._seq)}"
         self.sched.started(self.index, key, input_ids, sampling.max_new_tokens)
         gen = None
@@ -298,6 +344,30 @@ class ScheduledEngine:
         finally:
             self.sched.finished(self.index, key, input_ids, gen)
             self._release()
+
+
+class ProgressPriorityEngine:
+    """An :class:`Engine` that sends every request with ``SamplingParams.priority`` =
+    :func:`progress_priority` of the turns in its agent-loop rid (other rids: unchanged); placement
+    stays the caller's (e.g. ``sticky_least_loaded``)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.name = getattr(engine, "name", "engine")
+
+    def __getattr__(self, item):
+        return getattr(self.engine, item)
+
+    def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None) -> Generation:
+        turns = turns_of(rid)
+        if turns is not None:
+            sampling = replace(sampling, priority=progress_priority(turns))
+        return self.engine.generate(input_ids, sampling, rid=rid)
+
+
+def with_progress_priority(engines: Sequence[Engine]) -> list[ProgressPriorityEngine]:
+    """``engines`` wrapped by :class:`ProgressPriorityEngine` (same order)."""
+    return [ProgressPriorityEngine(e) for e in engines]
 
 
 class SpecSwitch:
