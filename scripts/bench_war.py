@@ -14,7 +14,10 @@ Parts (``--parts``, default ``drafters,cpu``):
 * ``cpu``: a small synchronous RL step of agentic trajectories (``--family``, random tiny
   Qwen3-Next, the embedded engine) on CPU: low load (one replica, speculation off vs on) and
   "high" load (``--replicas`` replicas, WAR scheduler vs sticky least-loaded vs sglang-router
-  0.3.2 round_robin / cache_aware / power_of_two). The embedded engine has no prefix cache and
+  0.3.2 round_robin / cache_aware / power_of_two; ``sticky_prio``: sticky least-loaded placement
+  with every turn's ``priority`` = its trajectory's turns done, served by engines started with
+  ``--enable-priority-scheduling``; with that policy listed every replica gets the flag, and the
+  other policies, which send no priority, tie and are served in arrival order as without it). The embedded engine has no prefix cache and
   runs one request at a time, and a random model's outputs are not text (turns without a tool
   call are run as ``ls``: :class:`ForcedCall`): these rows check the mechanics and the overheads,
   not the GPU claims.
@@ -49,6 +52,10 @@ import threading
 import time
 from pathlib import Path
 
+# sticky_prio's replicas: SGLang 0.5.17 orders its waiting queue by the request's priority (larger
+# first); preemption off so a late turn never evicts a running one (recompute) - only the order changes
+SGLANG_PRIO_FLAGS = ["--enable-priority-scheduling", "--disable-priority-preemption"]
+HIGH_POLICIES = ("war", "war_open", "sticky", "sticky_prio", "round_robin", "cache_aware", "power_of_two")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 log = logging.getLogger("bench_war")
@@ -284,7 +291,7 @@ def _spec_stats(url: str) -> dict | None:
 def part_cpu(args) -> list[dict]:
     from megatron_harts.rollout.engines import EmbeddedServer
     from megatron_harts.rollout.war.router import RouterServer
-    from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler
+    from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler, with_progress_priority
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_war_"))
     model = tmp / "model"
@@ -307,7 +314,8 @@ def part_cpu(args) -> list[dict]:
                              accept_len=acc, device=dev, **r))
             log.info("%s", rows[-1])
     # high load: several replicas, placement policies
-    servers = [EmbeddedServer(str(model), threads=1, log_path=str(tmp / f"rep{i}.log")).start()
+    rep_extra = ["--enable-priority-scheduling"] if "sticky_prio" in args.policies else []
+    servers = [EmbeddedServer(str(model), threads=1, extra_args=rep_extra, log_path=str(tmp / f"rep{i}.log")).start()
                for i in range(args.replicas)]
     try:
         conc = args.high_tasks * args.group
@@ -320,6 +328,9 @@ def part_cpu(args) -> list[dict]:
                         r = _step([rt.engine(timeout=600)], None, args, conc, args.high_tasks, args.group)
                 elif policy == "sticky":
                     r = _step([s.engine(timeout=600) for s in servers], None, args, conc, args.high_tasks, args.group)
+                elif policy == "sticky_prio":
+                    r = _step(with_progress_priority([s.engine(timeout=600) for s in servers]), None, args, conc,
+                              args.high_tasks, args.group)
                 elif policy == "war":
                     sch = WarScheduler(len(servers), SchedulerConfig(max_running=args.max_running,
                                                                      expected_decode=args.max_new_tokens,
@@ -434,7 +445,7 @@ def part_h200(args, sink) -> None:
 
     from megatron_harts.rollout.engines import SGLangServer
     from megatron_harts.rollout.war.router import RouterServer
-    from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler
+    from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler, with_progress_priority
     from megatron_harts.rollout.war.sglang_plugin import CORPUS_ENV, DRAFT_ENV, TrajectoryFeed, write_plugin_dist
 
     clock = _Clock(args.t0, args.deadline_s)
@@ -450,7 +461,7 @@ def part_h200(args, sink) -> None:
              f"export PATH=/tmp/bw/usr/bin:$PATH)")
     args.max_context = min(4096, int(hf.get("max_position_embeddings") or 4096))
     policies = list(args.policies)
-    bad = [p for p in policies if p not in ("war", "war_open", "sticky", "round_robin", "cache_aware", "power_of_two")]
+    bad = [p for p in policies if p not in HIGH_POLICIES]
     if bad:
         fail(f"--policies: unknown policy {bad[0]!r}")
     variants = [v for v in args.low_variants.split(",") if v]
@@ -490,7 +501,9 @@ def part_h200(args, sink) -> None:
     spec = {"suffix": ["--speculative-algorithm", "HARTS_SUFFIX", "--speculative-num-draft-tokens", str(b + 1)],
             "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(b + 1)],
             "none": []}
-    dev = f"H200, SGLang 0.5.17, {' '.join(common)}"
+    # sticky_prio: every replica with priority scheduling (requests without a priority all tie: arrival order)
+    rep_extra = list(SGLANG_PRIO_FLAGS) if "sticky_prio" in policies else []
+    dev = f"H200, SGLang 0.5.17, {' '.join(common + rep_extra)}"
     tag = dict(part="h200", max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, family=args.family,
                model=str(args.model_path))
 
@@ -747,7 +760,7 @@ def part_h200(args, sink) -> None:
         """The ``n_rep`` replicas (and, with ``--ngram-beside``, the NGRAM low-load server) started
         at once: a start is mostly Python imports and kernel JIT on the host (~85 s each seen
         one after another); every server reserves its own ``--mem-fraction-static`` share."""
-        jobs = [([], f"rep{i}", None, None) for i in range(n_rep)]
+        jobs = [(list(rep_extra), f"rep{i}", None, None) for i in range(n_rep)]
         if args.ngram_beside and "ngram" in variants:
             jobs.append((spec["ngram"], "low_ngram", None, args.ngram_beside))
         got: list = [None] * len(jobs)
@@ -808,7 +821,7 @@ def part_h200(args, sink) -> None:
                     if i >= 2 and clock.left() < est_start() + after:     # the starts ran slower than expected
                         clock.phase("deadline: %d replicas instead of %d", i, args.replicas)
                         break
-                    servers.append(server([], f"rep{i}"))
+                    servers.append(server(list(rep_extra), f"rep{i}"))
             wait_bg()
             if "none" in variants:
                 low("none", servers[0], logs / "feed_none.jsonl")
@@ -843,6 +856,10 @@ def part_h200(args, sink) -> None:
                     elif policy == "sticky":
                         r = _step([s_.engine(timeout=timeout()) for s_ in servers], None, args, conc, args.high_tasks,
                                   args.group, strict=False)
+                    elif policy == "sticky_prio":
+                        r = _step(with_progress_priority([s_.engine(timeout=timeout()) for s_ in servers]), None,
+                                  args, conc, args.high_tasks, args.group, strict=False)
+                        extra["engine_priority"] = "progress (turns done)"
                     else:
                         # the gate is a per-replica share of the admitted turns: with fewer replicas than
                         # asked for (deadline) each admits proportionally more; war_open: no gate at all
