@@ -1114,6 +1114,9 @@ def main(argv=None) -> int:
     if args.low_reps < 0:
         fail(f"--low-reps must be >= 0, got {args.low_reps}")
     args.policies = [x for x in args.policies.split(",") if x]
+    bad = [x for x in args.policies if x not in HIGH_POLICIES]
+    if bad:
+        fail(f"--policies: unknown policy {bad[0]!r} ({', '.join(HIGH_POLICIES)})")
     parts = [x for x in args.parts.split(",") if x]
     for x in parts:
         if x not in ("drafters", "drafters_sampled", "cpu", "h200"):

@@ -280,7 +280,7 @@ def test_bench_script_rejects_bad_input():
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
     for args, word in ((["--parts", "gpu"], "--parts"), (["--budgets", "8,x"], "--budgets"),
-                       (["--parts", "h200"], "--model-path")):
+                       (["--parts", "h200"], "--model-path"), (["--policies", "sticky_prio,bogus"], "--policies")):
         r = subprocess.run([sys.executable, str(script), *args, "--out", "/nonexistent/x.json"], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
