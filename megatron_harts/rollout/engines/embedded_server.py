@@ -186,6 +186,9 @@ class EmbeddedEngine:
                  sum(p.numel() for p in self.model.parameters()) / 1e6, self.vocab_size, sorted(self.eos_ids),
                  time.perf_counter() - t0, weight_version, torch.get_num_threads())
 
+        if self.priority_scheduling:
+            log.info("priority scheduling: queued requests by priority, %s first, ties in arrival order, "
+                     "no priority last", "smaller" if self._priority_sign > 0 else "larger")
         self._cv = threading.Condition()           # guards everything below
         self._queue: deque[_Request] = deque()
         self._control: deque[_Control] = deque()
