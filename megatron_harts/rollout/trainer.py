@@ -187,18 +187,14 @@ class StepTotals:
     """One rank's sums over its microbatches of a step: ``loss`` (its share of the step's loss),
     ``logprob_sum`` (nats, over trained tokens), trajectory / packed tokens, and ``diffs``: the
     |trainer - engine| log-prob differences ``[n]`` of its trained tokens (empty without engine
-    log-probs). Sums over ranks give the step's (:meth:`add`)."""
+    log-probs). The elastic pool's replicas sum them over their DP group
+    (``MegatronReplica._reduce_totals``)."""
 
     loss: float = 0.0
     logprob_sum: float = 0.0
     trajectory_tokens: int = 0
     packed_tokens: int = 0
     diffs: list = dataclasses.field(default_factory=list)
-
-    def add(self, other: "StepTotals") -> "StepTotals":
-        return StepTotals(self.loss + other.loss, self.logprob_sum + other.logprob_sum,
-                          self.trajectory_tokens + other.trajectory_tokens, self.packed_tokens + other.packed_tokens,
-                          self.diffs + other.diffs)
 
     def metrics(self, *, grad_norm: float, num_tokens: int, microbatches: int, pack_s: float, fwd_bwd_s: float,
                 train_s: float) -> dict:

@@ -297,11 +297,16 @@ class StreamPlanner:
         delay = self.switch_s if best > current else m.drain_s + self.switch_back_s
         steps = max(0.0, min(self.horizon, steps_left) - delay / max(costs[current], 1e-9))
         gain = (costs[current] - costs[best]) * steps
-        cost = self.switch_cost_s(current, best)
+        return self._move_or_stay("stream", current, best, costs, detail, gain, self.switch_cost_s(current, best))
+
+    def _move_or_stay(self, mode: str, current: int, best: int, costs: dict, detail: dict, gain: float,
+                      cost: float) -> Plan:
+        """The hysteresis rule of :meth:`plan` and :meth:`plan_sync`: move to ``best`` only if the
+        predicted ``gain`` (s) exceeds ``margin`` x the switch ``cost`` (s)."""
         detail.update(gain_s=gain, switch_cost_s=cost, candidate=best)
         if gain <= self.margin * cost:
-            return Plan("stream", current, self.gpus - current, costs[current], {**detail, "why": "hysteresis"})
-        return Plan("stream", best, self.gpus - best, costs[best], {**detail, "why": "move"})
+            return Plan(mode, current, self.gpus - current, costs[current], {**detail, "why": "hysteresis"})
+        return Plan(mode, best, self.gpus - best, costs[best], {**detail, "why": "move"})
 
     def sync_step_s(self, m: StreamMeasure, r: int, work: tuple[float, float]) -> float:
         """Predicted seconds of a **synchronous** step on ``r`` rollout GPUs: rollout, then training
@@ -327,7 +332,4 @@ class StreamPlanner:
         moved = abs(best - current)
         cost = moved * (self.switch_s if best > current else self.switch_back_s)
         gain = (costs[current] - costs[best]) * min(self.horizon, steps_left)
-        detail.update(gain_s=gain, switch_cost_s=cost, candidate=best)
-        if gain <= self.margin * cost:
-            return Plan("sync", current, self.gpus - current, costs[current], {**detail, "why": "hysteresis"})
-        return Plan("sync", best, self.gpus - best, costs[best], {**detail, "why": "move"})
+        return self._move_or_stay("sync", current, best, costs, detail, gain, cost)
