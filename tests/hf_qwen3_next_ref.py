@@ -17,7 +17,6 @@ transformers picks fla's Triton kernels for the GDN whenever ``import fla`` work
 transformers is imported, makes it take its torch path; hence the separate process: the test
 session itself imports fla for Megatron's GDN.
 """
-import inspect
 import json
 import sys
 
@@ -65,16 +64,35 @@ def run_one(model_spec: dict, trajectories: list[list[int]]) -> dict:
     return {"config": config.to_dict(), "state_dict": model.state_dict(), **checked_logprobs(model, trajectories)}
 
 
+TORCH_REFERENCES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
+
+
+def ran_torch_references(model, toks: list[int]) -> bool:
+    """Whether a plain forward of ``toks`` executes transformers' own torch GDN and conv code
+    (:data:`TORCH_REFERENCES` in ``modeling_qwen3_next.py``), observed with ``sys.setprofile``
+    rather than read from how transformers wraps them: the wrappers (kernel-hub ``Func`` modules
+    since transformers 5.25, closures before) change between versions, the executed code does not."""
+    ran: set[str] = set()
+
+    def profile(frame, event, _arg):
+        code = frame.f_code
+        if event == "call" and code.co_name in TORCH_REFERENCES and code.co_filename.endswith("modeling_qwen3_next.py"):
+            ran.add(code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        alone_logprobs(model, toks[:8])
+    finally:
+        sys.setprofile(None)
+    return ran == set(TORCH_REFERENCES)
+
+
 def checked_logprobs(model, trajectories: list[list[int]]) -> dict:
     """``{"logprobs", "torch_path", "alone_vs_batched"}``: every trajectory's log-probs
     (:func:`batched_logprobs`), whether transformers took its torch GDN / conv path, and the largest
     difference of the batch to single ``[1, L]`` forwards of a few trajectories."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as mq
-
-    # each kernel-capable function wraps its torch reference and the implementation it chose
-    torch_path = all(inspect.getclosurevars(f).nonlocals.get("is_new_implementation") is False
-                     for f in (mq.torch_chunk_gated_delta_rule, mq.causal_conv1d_fn))
     with torch.no_grad():
+        torch_path = ran_torch_references(model, trajectories[0])
         logprobs = batched_logprobs(model, trajectories)
         # the batch is only a shortcut: check it against single [1, L] forwards of a few trajectories
         some = sorted(range(len(trajectories)), key=lambda i: -len(trajectories[i]))[:2] + [0, len(trajectories) - 1]
