@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with a Python >= 3.12 and install megatron_harts with its test extras.
 # Usage: scripts/setup.sh            (idempotent; re-installs the package in place)
-# Env:   HARTS_PYTHON=/path/to/python3.12   to choose the interpreter explicitly.
+# Env:   HARTS_PYTHON=/path/to/python3.12   to choose the interpreter explicitly;
+#        HARTS_UNPINNED=1   to ignore constraints.txt (the tested versions) and take the newest allowed.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -44,9 +45,12 @@ if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
   "$py" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+# constraints.txt pins the versions CI last passed with (a fresh transformers release once broke CI
+# overnight); HARTS_UNPINNED=1 installs the newest versions setup.py allows instead.
+pins=(-c constraints.txt); [ "${HARTS_UNPINNED:-0}" = 1 ] && pins=()
+.venv/bin/python -m pip install -q "${pins[@]}" -e ".[test]"
 # WAR's SGLang plugin tests import SGLang 0.5.17 on CPU: installed without its dependencies into its
 # own directory (~/.cache/megatron_harts/sglang-0.5.17), never into the venv (it pins another torch)
 .venv/bin/python -c 'from megatron_harts.rollout.war.sglang_plugin import sglang_site; print("[setup] SGLang for the WAR plugin tests in", sglang_site())'
 .venv/bin/python -c 'import megatron_harts, torch, megatron.core; print("[setup] ok: torch", torch.__version__, "megatron-core", megatron.core.__version__)'
-sha256sum setup.py > .venv/.harts-setup-stamp   # test.sh / demo.sh re-run setup when setup.py changes
+sha256sum setup.py constraints.txt > .venv/.harts-setup-stamp   # test.sh / demo.sh re-run setup when either changes
