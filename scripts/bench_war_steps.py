@@ -13,12 +13,16 @@ Timed per step: the worker's hook (``corpus.synchronize()``, ``gather_draft_inpu
 * ``ours_*``: the current path (``war.suffix`` / ``war.sglang_plugin``), tree and chain; the
   drafts are checked bitwise equal to ``ref_*``'s at every step (exit 1 otherwise);
 * ``sglang_ngram``: SGLang 0.5.17's C++ ``NgramCorpus`` as ``NGRAMWorker`` drives it
-  (``synchronize`` + ``batch_get`` + ``batch_put``, last 18 tokens), JIT-built on CPU.
+  (``synchronize`` + ``batch_get`` + ``batch_put``, last 18 tokens), JIT-built on CPU;
+* ``before_*`` (with ``--before REV``): the plugin with ``war/suffix.py`` as it was at git
+  revision ``REV`` (loaded from ``git show``), tree and chain; drafts checked bitwise equal to
+  ``ours_*``'s (a before/after comparison of the drafter in one run).
 
 Completed trajectories are indexed at once, untimed (``--queued``: through the queue the
 server's feed uses, indexed by ``synchronize`` within ``index_s`` per step, timed; drafts then
 depend on timing, so no equality check). Numbers: microseconds per step and per request (step /
-batch size), p50 / p99 / mean over all steps, the median over ``--repeats`` runs.
+batch size), p50 / p99 / mean over all steps, the median over ``--repeats`` runs (methods
+interleaved within each); ``--clock cpu`` times the process's CPU time instead of wall time.
 """
 from __future__ import annotations
 
@@ -42,11 +46,17 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="ref_tree,ours_tree,ref_chain,ours_chain,sglang_ngram")
     p.add_argument("--queued", action="store_true", help="index finished trajectories as the feed does (timed)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--before", default=None, metavar="REV",
+                   help="git revision whose war/suffix.py the before_tree / before_chain methods time")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time, or the process's CPU time (all threads: robust to other jobs on shared cores)")
     args = p.parse_args(argv)
-    known = {"ref_tree", "ours_tree", "ref_chain", "ours_chain", "sglang_ngram"}
+    known = {"ref_tree", "ours_tree", "ref_chain", "ours_chain", "sglang_ngram", "before_tree", "before_chain"}
     bad = [m for m in args.methods.split(",") if m not in known]
     if bad:
         p.error(f"--methods: unknown {', '.join(bad)} (known: {', '.join(sorted(known))})")
+    if any(m.startswith("before_") for m in args.methods.split(",")) and not args.before:
+        p.error("--methods before_*: needs --before REV (the git revision of war/suffix.py to time)")
     if args.batch < 1 or args.draft_tokens < 2 or args.repeats < 1:
         p.error("--batch and --repeats must be >= 1 and --draft-tokens >= 2 (the root and one draft token)")
 
@@ -61,6 +71,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(f"--streams: {e}")
     n = args.draft_tokens
+    before = _suffix_at(args.before, p) if args.before else None
 
     def make(name: str):
         if name == "sglang_ngram":
@@ -70,12 +81,16 @@ def main(argv=None) -> int:
         if kind == "ref":
             return SuffixStep(RefSuffixCorpus(n, draft_config(n, shape), feed=""), name, ref_gather_draft_inputs,
                               queued=args.queued)
-        return SuffixStep(SuffixCorpus(n, draft_config(n, shape), feed=""), name, queued=args.queued)
+        corpus = SuffixCorpus(n, draft_config(n, shape), feed="")
+        if kind == "before":
+            corpus.drafter = before.SuffixDrafter(corpus.drafter.cfg)
+        return SuffixStep(corpus, name, queued=args.queued)
 
     rows, drafts = [], {}
     for rep in range(args.repeats):
         for name in args.methods.split(","):
-            r = replay_steps(make(name), streams, batch=args.batch, keep=not args.queued and rep == 0)
+            r = replay_steps(make(name), streams, batch=args.batch, keep=not args.queued and rep == 0,
+                             clock=time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns)
             if r.drafts:
                 drafts[name] = r.drafts
             rows.append({"method": name, "repeat": rep, "steps": r.steps, "mean_batch": round(r.mean_bs, 2),
@@ -85,12 +100,14 @@ def main(argv=None) -> int:
             print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
     ok = True
     for shape in ("tree", "chain"):
-        a, b = drafts.get(f"ref_{shape}"), drafts.get(f"ours_{shape}")
-        if a is not None and b is not None:
-            same = len(a) == len(b) and all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
-                                            for x, y in zip(a, b))
-            print(f"{shape}: drafts of ours vs ref over {len(a)} steps: {'bitwise equal' if same else 'DIFFER'}")
-            ok &= same
+        for other in ("ref", "before"):
+            a, b = drafts.get(f"{other}_{shape}"), drafts.get(f"ours_{shape}")
+            if a is not None and b is not None:
+                same = len(a) == len(b) and all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
+                                                for x, y in zip(a, b))
+                print(f"{shape}: drafts of ours vs {other} over {len(a)} steps: "
+                      f"{'bitwise equal' if same else 'DIFFER'}")
+                ok &= same
     print(f"\n| method | steps | mean batch | tokens/verify | step us p50 / p99 / mean | per request us p50 / p99 |")
     print("|---|---:|---:|---:|---|---|")
     summary = []
@@ -105,9 +122,27 @@ def main(argv=None) -> int:
               f"{med['req_us_p50']:.0f} / {med['req_us_p99']:.0f} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "streams": args.streams,
-                                              "batch": args.batch, "queued": args.queued, "summary": summary,
+                                              "before": args.before, "clock": args.clock, "batch": args.batch,
+                                              "queued": args.queued,
+                                              "summary": summary,
                                               "runs": rows, "date": time.strftime("%Y-%m-%d")}, indent=1))
     return 0 if ok else 1
+
+
+def _suffix_at(rev: str, p: argparse.ArgumentParser):
+    """``megatron_harts.rollout.war.suffix`` as it was at git revision ``rev``, as a module of its
+    own (``suffix_before``)."""
+    import subprocess
+    import types
+
+    r = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:megatron_harts/rollout/war/suffix.py"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        p.error(f"--before {rev}: {r.stderr.strip() or 'git show failed'}")
+    mod = types.ModuleType("suffix_before")
+    sys.modules[mod.__name__] = mod               # dataclasses look their module up
+    exec(compile(r.stdout, f"{rev}:megatron_harts/rollout/war/suffix.py", "exec"), mod.__dict__)
+    return mod
 
 
 if __name__ == "__main__":

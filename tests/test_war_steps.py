@@ -3,6 +3,8 @@ sglang_plugin.py ``SuffixCorpus.batch_get`` / ``gather_draft_inputs``) against t
 replaced (rollout/war/suffix_ref.py: a suffix trie per request's context, per-row masks): the
 same inputs must give bitwise the same draft tokens and tree masks, per scheduler step of a
 batched replay of the H200 model's sampled streams and on random cases."""
+import functools
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,97 @@ def test_fast_path_drafts_bitwise_equal_to_reference_on_replayed_streams(shape):
     assert _same(ref.drafts, new.drafts)
     assert new.emitted == ref.emitted and new.accept_len == ref.accept_len > 2.0
     assert sum(int((d[0][:, 1:] != 0).sum()) for d in new.drafts) > 1000        # it did draft
+
+
+STREAMS_SMALL_MODEL = ROOT / "docs" / "benchmarks" / "war_sampled_streams.jsonl.gz"
+
+
+@functools.lru_cache(maxsize=1)
+def _scripted():
+    from megatron_harts.rollout.war.replay import code_repair_streams
+
+    return tuple(code_repair_streams(n_tasks=2, samples=4, steps=3, seed=0))
+
+
+def _scripted_streams():
+    """Scripted code_repair episodes of tasks 0-1 (as ``bench_war.py --parts drafters`` makes them,
+    real sandboxes: needs bubblewrap); made once per session."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("the scripted streams run real sandboxes: bubblewrap is needed (apt-get install bubblewrap)")
+    return list(_scripted())
+
+
+def _stream_set(name):
+    if name == "scripted":
+        return _scripted_streams()
+    path, groups = {"h200_model": (STREAMS, ("t2", "t3")), "small_model": (STREAMS_SMALL_MODEL, ("t4", "t5"))}[name]
+    return [s for s in load_streams(str(path)) if s.group in groups]
+
+
+@pytest.mark.parametrize("streams", ["h200_model", "small_model", "scripted"])
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_plugin_drafts_bitwise_equal_to_reference_on_every_stream_set(streams, shape):
+    """The plugin's hook (batch of 8, the server's drafter: depth 32, budget 16) drafts, step by
+    step, the same ids and masks as the reference path on two more tasks of the H200 model's
+    streams, two tasks of the 0.73M model's and the scripted episodes of two tasks."""
+    ss = _stream_set(streams)
+    assert len(ss) == 24
+    n = 17
+    ref = replay_steps(SuffixStep(suffix_ref.RefSuffixCorpus(n, draft_config(n, shape), feed=""), "ref",
+                                  suffix_ref.ref_gather_draft_inputs), ss, keep=True)
+    new = replay_steps(SuffixStep(SuffixCorpus(n, draft_config(n, shape), feed="")), ss, keep=True)
+    assert ref.steps > 100 and new.steps == ref.steps
+    assert _same(ref.drafts, new.drafts)
+    assert new.emitted == ref.emitted
+    assert sum(int((d[0][:, 1:] != 0).sum()) for d in new.drafts) > 1000        # it did draft
+
+
+class _Recorded:
+    """``replay.OursMethod`` around a given drafter (ours or the reference), recording every draft
+    field by field."""
+
+    def __init__(self, drafter, cfg):
+        from megatron_harts.rollout.war.replay import OursMethod
+
+        self.m = OursMethod(cfg)
+        self.m.d, self.name, self.drafts = drafter, "rec", []
+
+    def start(self, stream, prompt_end):
+        self.m.start(stream, prompt_end)
+
+    def draft(self, context):
+        d = self.m.d.draft(self.m._ctx, self.m._stream.group)
+        self.drafts.append(_key(d))
+        return d.paths()
+
+    def accept(self, context, new):
+        self.m.accept(context, new)
+
+    def stop(self):
+        self.m.stop()
+
+    def finish(self, stream):
+        self.m.finish(stream)
+
+
+@pytest.mark.parametrize("cfg", [dict(max_depth=64, budget=8), dict(max_depth=64, budget=16, tree=True),
+                                 dict(max_depth=32, budget=16, tree=True, max_spec_factor=2.0),
+                                 dict(max_depth=64, budget=8, use_global=False)],
+                         ids=["chain64_b8", "tree64_b16", "tree32_b16_f2", "group_only64_b8"])
+def test_offline_replay_drafts_equal_reference_field_by_field(cfg):
+    """``bench_war.py``'s offline replay (one request per turn, greedy verification) of two tasks
+    of the H200 model's streams, with the drafter configurations of its tables: every draft
+    (tokens, probabilities, parents, match length, score, source) equals the reference's."""
+    from megatron_harts.rollout.war.replay import replay
+
+    ss = _stream_set("h200_model")
+    c = DrafterConfig(**cfg)
+    new, ref = _Recorded(SuffixDrafter(c), c), _Recorded(suffix_ref.SuffixDrafter(c), c)
+    rn, rr = replay(new, ss), replay(ref, ss)
+    assert len(new.drafts) == len(ref.drafts) > 1000 and rn.emitted == rr.emitted
+    bad = next((i for i, (x, y) in enumerate(zip(new.drafts, ref.drafts)) if x != y), None)
+    assert bad is None, f"draft {bad} differs: {new.drafts[bad]} vs reference {ref.drafts[bad]}"
+    assert sum(1 for d in new.drafts if d[0]) > 500
 
 
 def _ref_context_draft(tokens, cfg, budget):
@@ -184,8 +277,9 @@ def test_corpus_index_draft_equals_a_trie_of_the_trajectories(trajs, pieces, dep
 
 
 def test_bench_war_steps_rejects_bad_streams_and_methods_with_one_line(tmp_path):
-    """A missing file, a record without a field, non-JSON and an unknown method: one line naming
-    the file, line and field, exit 2, no traceback."""
+    """A missing file, a record without a field, non-JSON, an unknown method and a before_* method
+    without (or with a bad) ``--before``: one line naming the file, line and field, exit 2, no
+    traceback."""
     import subprocess
     import sys
 
@@ -196,7 +290,9 @@ def test_bench_war_steps_rejects_bad_streams_and_methods_with_one_line(tmp_path)
     cases = [(["--streams", str(tmp_path / "missing.jsonl")], "missing.jsonl: cannot read"),
              (["--streams", str(tmp_path / "nofield.jsonl")], "nofield.jsonl:1: field 'loss_mask' missing"),
              (["--streams", str(tmp_path / "notjson.jsonl")], "notjson.jsonl:2: not JSON"),
-             (["--methods", "ours_tree,bogus"], "--methods: unknown bogus")]
+             (["--methods", "ours_tree,bogus"], "--methods: unknown bogus"),
+             (["--methods", "before_tree"], "needs --before REV"),
+             (["--methods", "before_tree", "--before", "no-such-revision"], "--before no-such-revision:")]
     for argv, want in cases:
         r = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (argv, r.stderr)

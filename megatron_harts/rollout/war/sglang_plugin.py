@@ -166,9 +166,9 @@ class TrajectoryFeed:
 def _bits_to_mask(rows: list[int], n: int) -> np.ndarray:
     """Rows given as bit sets (bit ``j`` of ``rows[r]``: column ``j``) -> bool ``[len(rows) * n]``
     (row-major)."""
-    if n <= 63:
-        bits = np.array(rows, dtype=np.int64)
-        return ((bits[:, None] >> np.arange(n, dtype=np.int64)) & 1).astype(bool).reshape(-1)
+    if n <= 64:                               # each row's 8 bytes, least significant bit first
+        raw = np.array(rows, dtype="<u8").view(np.uint8).reshape(len(rows), 8)
+        return np.unpackbits(raw, axis=1, count=n, bitorder="little").astype(bool).reshape(-1)
     nbytes = (n + 7) // 8
     raw = np.frombuffer(b"".join(r.to_bytes(nbytes, "little") for r in rows), dtype=np.uint8)
     return np.unpackbits(raw.reshape(len(rows), nbytes), axis=1, bitorder="little")[:, :n].astype(bool).reshape(-1)
@@ -191,6 +191,7 @@ class SuffixCorpus:
         if draft_token_num < 2:
             raise ValueError(f"draft_token_num must be >= 2 (root + drafts), got {draft_token_num}")
         self.n = int(draft_token_num)
+        self._unused = [1 | (1 << i) for i in range(self.n)]     # mask row of an unused node i (bits)
         cfg = config or draft_config(self.n)
         # feed trajectories are queued and indexed at most ~index_s seconds per scheduler iteration
         # (synchronize), so a burst of finished trajectories never stalls the serving loop
@@ -298,8 +299,7 @@ class SuffixCorpus:
             else:                                            # node i+1: its parent's row and itself
                 for i, par in enumerate(d.parents):
                     r.append(r[par + 1] | (1 << (i + 1)))
-            for i in range(k + 1, n):                        # unused nodes: leaves under the root
-                r.append(1 | (1 << i))
+            r += self._unused[k + 1:]                        # unused nodes: leaves under the root
             rows += r
             self.stats["calls"] += 1
             self.stats["drafted"] += k

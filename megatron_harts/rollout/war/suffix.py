@@ -118,14 +118,39 @@ class Draft:
         return out
 
 
-def _group_by_token(toks: np.ndarray, pos: np.ndarray, small: int) -> dict:
-    """Positions ``pos`` ``[n]`` grouped by their tokens ``toks`` ``[n]``: token -> its positions in
-    input order (a numpy array when more than ``small``, else a list)."""
-    order = np.argsort(toks, kind="stable")
-    ts, ps = toks[order], pos[order]
-    cut = np.flatnonzero(np.diff(ts)) + 1
-    starts, stops, tl = [0, *cut.tolist()], [*cut.tolist(), len(ts)], ts.tolist()
-    return {tl[i]: (ps[i:j] if j - i > small else ps[i:j].tolist()) for i, j in zip(starts, stops)}
+def _group_list(base: list[int], nxt: list[int], o1: int, count: int, min_prob: float, sep: int | None) -> list:
+    """Children of a node whose occurrences end at ``base + o1 - 1``, followed by the tokens
+    ``nxt`` (``sep``: a token that continues nothing): ``[(-child count, token, child ends)]``
+    sorted, those with ``1.0 * child count / count >= min_prob`` (see ``_OccurrenceExpansion``)."""
+    groups: dict[int, list[int]] = {}
+    for x, t in zip(base, nxt):
+        g = groups.get(t)
+        if g is None:
+            groups[t] = [x + o1]
+        else:
+            g.append(x + o1)
+    out = [(-len(g), t, g) for t, g in groups.items() if t != sep and 1.0 * len(g) / count >= min_prob]
+    out.sort()                             # siblings' tokens differ: the ends are never compared
+    return out
+
+
+def _group_np(nxt: np.ndarray, arr: np.ndarray, count: int, min_prob: float, small: int, sep: int | None) -> list:
+    """:func:`_group_list` for many occurrences: ``nxt`` (int64, ascending) the positions after
+    them, ``arr`` the tokens; counts by ``np.unique``, positions only for the children kept (an
+    array when more than ``small``, else a list)."""
+    if not len(nxt):
+        return []
+    toks = arr[nxt]
+    u, cnt = np.unique(toks, return_counts=True)
+    sel = cnt / count >= min_prob             # float64 division: the same rounding as Python's
+    out = []
+    if sel.any():
+        for t, c in zip(u[sel].tolist(), cnt[sel].tolist()):
+            if t != sep:
+                ce = nxt[toks == t]
+                out.append((-c, t, ce if c > small else ce.tolist()))
+        out.sort()
+    return out
 
 
 class SuffixTrie:
@@ -378,12 +403,27 @@ class SuffixTrie:
 
 class _OccurrenceExpansion:
     """``SuffixTrie.expand`` / ``expand_tree`` over a node given by its occurrence end positions
-    (``ends``, ``count`` = its trie count): shared by :class:`ContextIndex` and
-    :class:`CorpusIndex`, which define ``_kids(ends, depth) -> {token: child ends}``."""
+    (``ends``, ``count`` = its trie count), shared by :class:`ContextIndex` and
+    :class:`CorpusIndex`, which define :meth:`_kid_list`.
+
+    A node's children come as ``_kid_list``: ``(-child count, token, child ends)``, sorted (most
+    frequent first, ties: the smaller token), only those with ``1.0 * child count / count >=
+    min_prob``: no other child is ever drafted from the node, since a cumulative probability
+    ``p <= 1`` gives ``p * k / count <= 1.0 * k / count`` (rounding is monotone). So the greedy
+    chain takes the first child, and the tree stops pushing at the first child below
+    ``min_prob``: it pushes exactly the children the trie's ``expand_tree`` pushes, in another
+    order; siblings have distinct tokens, so their heap keys never tie, and the pops come in the
+    trie's order. Child ends may be a *run* ``(positions, offset, tokens, i, after)``: the node
+    whose occurrences end at ``positions + offset``, all of them continued by ``tokens[i:]`` (so
+    each of those next nodes is its parent's only child, with the same count); ``after``: the
+    tokens following the positions at the run's end (one per position), ``None`` if unknown."""
 
     max_depth: int
 
-    def _kids(self, ends, depth: int) -> dict:
+    def _kid_list(self, ends, depth: int, count: int, min_prob: float, ahead: int) -> list:
+        """The children of the node (``ends``, ``count``) at ``depth`` that can be drafted from it
+        (see the class docstring); ``ahead``: how many levels below the node may be drafted (at
+        least 1; bounds the runs)."""
         raise NotImplementedError
 
     def _expand(self, ends, count: int, depth: int, max_tokens: int, min_prob: float):
@@ -392,49 +432,101 @@ class _OccurrenceExpansion:
         probs: list[float] = []
         p, D = 1.0, self.max_depth
         while len(toks) < max_tokens and depth < D:
-            ch = self._kids(ends, depth)
+            if type(ends) is tuple and ends[3] < len(ends[2]):   # in a run: its one child, count unchanged
+                base, off, run, i, after = ends
+                q = p * count / count
+                if q < min_prob:
+                    break
+                p, depth, ends = q, depth + 1, (base, off + 1, run, i + 1, after)
+                toks.append(run[i])
+                probs.append(p)
+                continue
+            ch = self._kid_list(ends, depth, count, min_prob, min(max_tokens - len(toks), D - depth))
             if not ch:
                 break
-            best_t, best_c = None, -1
-            for t, e in ch.items():                    # ties: the smaller token, as SuffixTrie.expand
-                c = len(e)
-                if c > best_c or (c == best_c and t < best_t):
-                    best_t, best_c = t, c
-            q = p * best_c / count
+            nc, best_t, e = ch[0]                      # the most frequent, ties: the smaller token
+            q = p * -nc / count
             if q < min_prob:
                 break
             p = q
-            ends, count, depth = ch[best_t], best_c, depth + 1
+            ends, count, depth = e, -nc, depth + 1
             toks.append(best_t)
             probs.append(p)
         return toks, probs
 
     def _expand_tree(self, ends, count: int, depth: int, max_nodes: int, max_len: int, min_prob: float):
-        """``SuffixTrie.expand_tree`` from the node (``ends``, ``count``) at ``depth`` (same heap
-        keys: probability, token, push order)."""
+        """``SuffixTrie.expand_tree`` from the node (``ends``, ``count``) at ``depth``: the same heap
+        keys (probability, token, push order) and pops, except that a child that would be popped
+        right after its parent (its key below the heap's top) never enters the heap, and a run's
+        next node is taken that way without building its children."""
         heap: list = []
-        seq = itertools.count()
-        D = self.max_depth
-
-        def push(e, c: int, d: int, parent: int, p: float, plen: int) -> None:
-            if plen >= max_len or d >= D:
-                return
-            for t, ce in self._kids(e, d).items():
-                q = p * len(ce) / c
-                if q >= min_prob:
-                    heapq.heappush(heap, (-q, t, next(seq), ce, d + 1, parent, plen + 1))
-
+        D, kid_list, push, pop = self.max_depth, self._kid_list, heapq.heappush, heapq.heappop
         toks: list[int] = []
         probs: list[float] = []
         parents: list[int] = []
-        push(ends, count, depth, -1, 1.0, 0)
-        while heap and len(toks) < max_nodes:
-            nq, t, _, ce, d, parent, plen = heapq.heappop(heap)
+        seq = 0
+        # heap entries: (-q, token, push order, child ends, child count, child depth, parent, path length)
+        if max_len > 0 and depth < D:
+            for nc, t, ce in kid_list(ends, depth, count, min_prob, min(max_len, D - depth)):
+                q = 1.0 * -nc / count
+                if q < min_prob:
+                    break
+                push(heap, (-q, t, seq, ce, -nc, depth + 1, -1, 1))
+                seq += 1
+        cur = None                                 # the entry popped next, when it skipped the heap
+        while len(toks) < max_nodes:
+            if cur is None:
+                if not heap:
+                    break
+                cur = pop(heap)
+            nq, t, _, ce, c, d, parent, plen = cur
+            cur = None
             parents.append(parent)
             toks.append(t)
             probs.append(-nq)
-            if len(toks) < max_nodes:
-                push(ce, len(ce), d, len(toks) - 1, -nq, plen)
+            p = -nq
+            if type(ce) is tuple:                  # a run: the next nodes are single children (count c)
+                base, off, run, i, after = ce
+                nrun, more = len(run), True
+                while i < nrun:
+                    if len(toks) >= max_nodes or plen >= max_len or d >= D:
+                        more = False
+                        break
+                    q = p * c / c
+                    if q < min_prob:
+                        more = False
+                        break
+                    t = run[i]
+                    if heap:
+                        h = heap[0]
+                        if h[0] < -q or (h[0] == -q and h[1] <= t):   # the heap's top comes first
+                            push(heap, (-q, t, seq, (base, off + 1, run, i + 1, after), c, d + 1, len(toks) - 1,
+                                        plen + 1))
+                            seq += 1
+                            more = False
+                            break
+                    seq += 1
+                    parents.append(len(toks) - 1)
+                    toks.append(t)
+                    probs.append(q)
+                    p, d, plen, off, i = q, d + 1, plen + 1, off + 1, i + 1
+                if not more:
+                    continue
+                ce = (base, off, run, i, after)    # the run's last node: its children from positions
+            if len(toks) < max_nodes and plen < max_len and d < D:   # else its children are never taken
+                me, first = len(toks) - 1, True
+                for nc, t2, ce2 in kid_list(ce, d, c, min_prob, min(max_len - plen, D - d)):
+                    q = p * -nc / c
+                    if q < min_prob:
+                        break
+                    e = (-q, t2, seq, ce2, -nc, d + 1, me, plen + 1)
+                    seq += 1
+                    if first:                      # the most probable child: its siblings' keys are larger
+                        first = False
+                        if not heap or e < heap[0]:
+                            cur = e
+                            continue
+                    push(heap, e)
         return toks, probs, parents
 
 
@@ -467,14 +559,22 @@ class ContextIndex(_OccurrenceExpansion):
         self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        toks = [int(t) for t in tokens]
-        n, k = len(self.tokens), len(toks)
+        """Append ``tokens`` (ints) to the context."""
+        if not hasattr(tokens, "__len__"):
+            tokens = list(tokens)
+        k = len(tokens)
+        if k > 64:                         # a prompt or an observation: converted by numpy
+            chunk = np.asarray(tokens, dtype=np.int64)
+            toks = chunk.tolist()
+        else:
+            chunk = toks = list(map(int, tokens))
+        n = len(self.tokens)
         if n + k > len(self._arr):
             arr = np.zeros(max(2 * len(self._arr), n + k), dtype=np.int64)
             arr[:n] = self._arr[:n]
             self._arr = arr
         if k:
-            self._arr[n:n + k] = toks
+            self._arr[n:n + k] = chunk
         self.tokens += toks
 
     # -- the context trie's nodes, computed from occurrence positions ----------------------------
@@ -496,16 +596,15 @@ class ContextIndex(_OccurrenceExpansion):
     def _match_upto(self, hi: int, n: int, a):
         if hi <= 0 or n < 2:
             return 0, None
-        last = a[n - 1]
-        if hi == 1 or n < 3:
-            e = np.flatnonzero(a[:n - 1] == last)
-            return (1, e) if len(e) else (0, None)
-        eq1 = a[1:n - 1] == last                           # e = i + 1 for i in [0, n-2)
-        e = np.flatnonzero(eq1 & (a[:n - 2] == a[n - 2])) + 1    # continued occurrences of the bigram
-        if not len(e):
-            if eq1.any() or a[0] == last:
-                return 1, np.flatnonzero(a[:n - 1] == last)
+        e1 = np.flatnonzero(a[:n - 1] == a[n - 1])           # earlier occurrences of the last token
+        if not len(e1):
             return 0, None
+        if hi == 1 or n < 3:
+            return 1, e1
+        e = e1[1:] if e1[0] == 0 else e1
+        e = e[a[e - 1] == a[n - 2]]                          # ... of the last two (continued: e < n - 1)
+        if not len(e):
+            return 1, e1
         if hi == 2:
             return 2, e
         if len(e) > self._SMALL:
@@ -528,34 +627,52 @@ class ContextIndex(_OccurrenceExpansion):
                 ends.append(x)
         return best, ends
 
-    def _kids(self, ends, depth: int) -> dict:
-        return self._children(ends, len(self.tokens))
-
-    def _children(self, ends, n: int):
-        """Children of the node whose occurrences end at ``ends`` (ascending; numpy or list):
-        ``{token: child ends}`` (ascending ends; dict order unspecified: callers break ties by
-        token as the trie does). Occurrences at ``n - 1`` (the context's end) have no
-        continuation."""
-        if len(ends) > self._SMALL:
+    def _kid_list(self, ends, depth: int, count: int, min_prob: float, ahead: int) -> list:
+        """``_OccurrenceExpansion._kid_list``: the tokens after the node's occurrences (but the one
+        at the context's end, which has no continuation); where they all agree, for as many
+        tokens ahead as they do, a run; numpy beyond ``_SMALL`` occurrences."""
+        n = len(self.tokens)
+        off, nxt = 0, None                 # the occurrences end at ends + off
+        if type(ends) is tuple:            # a run
+            base, off, run, i, after = ends
+            if i < len(run):
+                return [(-count, run[i], (base, off + 1, run, i + 1, after))]
+            ends, nxt = base, after
+            if base[-1] + off >= n - 1:    # the run reached the context's end (after is None)
+                ends = base[:-1]
+        elif len(ends) > self._SMALL:
             nxt = np.asarray(ends)
-            if len(nxt) and nxt[-1] >= n - 1:
+            if nxt[-1] >= n - 1:
                 nxt = nxt[:-1]
-            if not len(nxt):
-                return {}
-            nxt = nxt + 1
-            toks = self._arr[nxt]
-            return _group_by_token(toks, nxt, self._SMALL)
-        out: dict[int, list[int]] = {}
-        tk = self.tokens
-        for x in ends:
-            if x < n - 1:
-                t = tk[x + 1]
-                lst = out.get(t)
-                if lst is None:
-                    out[t] = [x + 1]
-                else:
-                    lst.append(x + 1)
-        return out
+            return _group_np(nxt + 1, self._arr, count, min_prob, self._SMALL, None)
+        else:
+            if type(ends) is not list:
+                ends = ends.tolist()
+            if ends and ends[-1] >= n - 1:     # ascending: only the last can be the context's end
+                ends = ends[:-1]
+        k = len(ends)
+        if not k:
+            return []
+        tk, o1 = self.tokens, off + 1
+        if nxt is None:
+            nxt = [tk[x + o1] for x in ends]
+        t0 = nxt[0]
+        if nxt.count(t0) == k:             # one child
+            if 1.0 * k / count < min_prob:
+                return []
+            run, j, last, nx = [t0], o1 + 1, ends[-1], None
+            while len(run) < ahead:        # how far all occurrences go on alike (up to ``ahead``)
+                if last + j >= n:          # the last one reaches the context's end
+                    break
+                nx = [tk[x + j] for x in ends]
+                t = nx[0]
+                if nx.count(t) != k:
+                    break
+                run.append(t)
+                nx = None
+                j += 1
+            return [(-k, t0, (ends, o1, run, 1, nx))]
+        return _group_list(ends, nxt, o1, count, min_prob, None)
 
     def draft(self, cfg: "DrafterConfig", budget: int | None = None, source: str = "context",
               beat: float | None = None) -> "Draft | None":
@@ -573,9 +690,12 @@ class ContextIndex(_OccurrenceExpansion):
         cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
         if cap <= 0:
             return Draft()
-        if beat is not None and cap * (1.0 + 1e-9) + 1e-9 < beat:
-            return None
         count0 = len(ends) + 1                           # + the occurrence at the context's end
+        # each level of the draft holds at most the probability mass of the first, (count0 - 1) /
+        # count0 (the occurrence at the context's end has no continuation): the score is at most
+        # cap times that
+        if beat is not None and cap * (count0 - 1) / count0 * (1.0 + 1e-9) + 1e-9 < beat:
+            return None
         if cfg.tree:
             toks, probs, parents = self._expand_tree(ends, count0, m, budget, cap, cfg.min_token_prob)
             return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents)
@@ -591,19 +711,23 @@ class CorpusIndex(_OccurrenceExpansion):
     The tokens are concatenated, each trajectory preceded by a separator (``SEP``, a value no
     token takes), into a list and a numpy buffer; every position is appended to the occurrence list
     of the 1-, 2- and 3-gram ending there (inside one trajectory), and each new 2-/3-gram adds its
-    last token to its prefix's successors, so indexing costs ~3 dictionary operations per token
-    instead of ``max_depth`` (the trie; ~0.6 vs ~8.5 us per token here). A trie node is the set of
-    end positions of its string (its ``count``: their number), its children the tokens after them
-    (not a separator nor past the indexed end): for strings of up to 2 tokens the successors'
-    occurrence lists, longer ones grouped from the positions (Python, or numpy beyond ``_SMALL``).
+    occurrence list to its prefix's successors, so indexing costs ~3 dictionary operations per
+    token instead of ``max_depth`` (the trie; ~0.6 vs ~8.5 us per token here). A trie node is the
+    set of end positions of its string (its ``count``: their number), its children the tokens
+    after them (not a separator nor past the indexed end): for strings of up to 2 tokens the
+    successors' occurrence lists, longer ones grouped from the positions (:meth:`_kid_list`).
     The match: the longest suffix of up to 3 tokens with a successor (or a continued trigram
-    occurrence), then the trigram's occurrences filtered by the earlier tokens one length at a
-    time; reusing the last call's match while the index is unchanged, as ``SuffixTrie.match_from``.
+    occurrence), then the trigram's occurrences filtered by the earlier tokens; reusing the last
+    call's match while the index is unchanged, as ``SuffixTrie.match_from``. Memoised while the
+    index is unchanged (``version``): the expansion from a node (requests of a batch often match
+    the same node) and the children of short strings.
     Same streaming interface as the trie (``extend(tokens, frontier) -> frontier``, streams one
     after another; ``remove(tokens)`` of the oldest, FIFO); removed positions leave the lists and
     the buffer is compacted once they dominate. Tested against the trie on random inputs."""
 
     _SMALL = 128         # occurrence sets up to this size are handled in Python, larger in numpy
+    _FEW = 8             # the match: occurrences filtered one length at a time down to this many
+    _FILTER_NP = 64      # ... in numpy while more than this many
     _COMPACT = 4096      # compact once more than this many (and half the) positions are removed
     SEP = _SEP
 
@@ -619,14 +743,18 @@ class CorpusIndex(_OccurrenceExpansion):
         self._tk: list[int] = [self.SEP, self.SEP]             # the same as a list, plus one SEP past the end
         self._n = 1                                            # position 0: a separator
         self._occ: dict[tuple, list[int]] = {}                 # n-gram (n <= 3) -> end positions (ascending)
-        self._succ: dict[tuple, list[int]] = {}                # n-gram (n < 3) -> the tokens that follow it
+        self._succ: dict[tuple, list[list[int]]] = {}          # n-gram (n < 3) -> _occ of each one longer
         self._npc: dict = {}                                   # key -> numpy copy of a long list
         self._segs: deque[tuple[int, int]] = deque()           # [start, end) of complete-or-open streams
         self._open = None                                      # id of the open stream (its segment is last)
         self._dead = 0                                         # positions below this were removed
         self.num_tokens = 0                                    # indexed tokens (the trie's root count)
+        # (first end, m, cap, budget, tree, min_prob) -> (tokens, probs, parents, score), this version
         self._memo: dict[tuple, tuple] = {}
         self._memo_version = -1
+        # (n-gram, min_prob) -> the node's _kid_list, this version (n <= 2, or a trigram beyond _SMALL)
+        self._short: dict[tuple, list] = {}
+        self._short_version = -1
 
     # -- indexing ----------------------------------------------------------------------------------
     def extend(self, tokens: Sequence[int], frontier=None):
@@ -673,16 +801,16 @@ class CorpusIndex(_OccurrenceExpansion):
                 key = (a2, t)
                 lst = occ.get(key)
                 if lst is None:
-                    occ[key] = [p]
-                    self._add_succ((a2,), t)
+                    occ[key] = lst = [p]
+                    self._add_succ((a2,), lst)
                 else:
                     lst.append(p)
                 if a1 != sep:
                     key = (a1, a2, t)
                     lst = occ.get(key)
                     if lst is None:
-                        occ[key] = [p]
-                        self._add_succ((a1, a2), t)
+                        occ[key] = lst = [p]
+                        self._add_succ((a1, a2), lst)
                     else:
                         lst.append(p)
             a1, a2 = a2, t
@@ -695,12 +823,14 @@ class CorpusIndex(_OccurrenceExpansion):
     def add(self, tokens: Sequence[int]) -> None:
         self.extend(tokens)
 
-    def _add_succ(self, key: tuple, t: int) -> None:
+    def _add_succ(self, key: tuple, lst: list[int]) -> None:
+        """Record the occurrence list ``lst`` of a new n-gram extending ``key`` by one token (its
+        last token: ``_tk[lst[0]]``)."""
         nxt = self._succ.get(key)
         if nxt is None:
-            self._succ[key] = [t]
+            self._succ[key] = [lst]
         else:
-            nxt.append(t)
+            nxt.append(lst)
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo the indexing of the oldest trajectory, which must be ``tokens``."""
@@ -728,7 +858,7 @@ class CorpusIndex(_OccurrenceExpansion):
             del occ[key]
             if len(key) > 1:
                 nxt = succ[key[:-1]]
-                nxt.remove(key[-1])
+                del nxt[next(i for i, x in enumerate(nxt) if x is lst)]
                 if not nxt:
                     del succ[key[:-1]]
         self._npc.clear()
@@ -788,54 +918,76 @@ class CorpusIndex(_OccurrenceExpansion):
         """Longest ``m <= hi`` such that ``ctx[-m:]`` has a continued occurrence; ``(m, ends)``
         with ``ends`` all its occurrences (ascending), ``(0, None)`` if none. Up to 3 tokens: an
         n-gram with a successor; longer: the trigram's occurrences filtered by the earlier tokens
-        one length at a time."""
+        one length at a time (numpy beyond ``_SMALL`` of them, then Python) while more than
+        ``_FEW`` are left, then each remaining occurrence's own match length."""
         n = len(ctx)
         if hi <= 0 or n == 0 or not self.num_tokens:
             return 0, None
-        for d in range(min(hi, n, 3), 0, -1):
-            key = tuple(ctx[n - d:])
-            if d < 3:
-                if key in self._succ:
-                    return d, self._ends(key)
-                continue
+        if hi >= 3 and n >= 3:
+            key = tuple(ctx[n - 3:])
             lst = self._occ.get(key)
-            if lst is None:
-                continue
-            ends = self._np(key, lst) if len(lst) > self._SMALL else lst
-            if not self._continued(ends):
-                continue
-            best, best_ends = 3, ends
-            L, a, tk = 4, self._arr, self._tk
-            while L <= hi:
-                q = ctx[n - L]
-                if isinstance(ends, np.ndarray):
-                    ends = ends[a[ends - (L - 1)] == q]
-                    if len(ends) <= self._SMALL:
-                        ends = ends.tolist()
-                else:
-                    ends = [x for x in ends if tk[x - L + 1] == q]
-                if not len(ends) or not self._continued(ends):
-                    break
-                best, best_ends = L, ends
-                L += 1
-            return best, best_ends
+            if lst is not None and self._continued(lst):
+                tk, L, ends = self._tk, 3, lst    # every occurrence in ends matches L tokens
+                if len(lst) > self._FILTER_NP:
+                    ends, a = self._np(key, lst), self._arr
+                    while L < hi:
+                        f = ends[a[ends - L] == ctx[n - 1 - L]]
+                        if not len(f) or not self._continued(f):
+                            break
+                        ends, L = f, L + 1
+                        if len(ends) <= self._SMALL:
+                            ends = ends.tolist()
+                            break
+                    if type(ends) is not list:
+                        return L, (ends if len(ends) > self._SMALL else ends.tolist())
+                while L < hi and len(ends) > self._FEW:
+                    q = ctx[n - 1 - L]
+                    f = [x for x in ends if tk[x - L] == q]
+                    for x in f:
+                        if tk[x + 1] != _SEP:
+                            break
+                    else:                          # none (or none continued) matches L + 1 tokens
+                        return L, ends
+                    ends, L = f, L + 1
+                if L == hi:
+                    return L, ends
+                tgt = ctx[n - hi:n]
+                if type(tgt) is not list:
+                    tgt = list(tgt)
+                rc = tgt[::-1]                     # rc[l] = ctx[n - 1 - l]
+                lens, best = [], 0
+                for x in ends:                     # each occurrence's match length, up to hi
+                    if x >= hi - 1 and tk[x - hi + 1:x + 1] == tgt:    # all of it: one comparison
+                        m = hi
+                    else:
+                        m = L
+                        while m < hi and tk[x - m] == rc[m]:
+                            m += 1
+                    lens.append(m)
+                    if m > best and tk[x + 1] != _SEP:
+                        best = m
+                return best, [x for x, m in zip(ends, lens) if m >= best]
+        for d in range(min(hi, n, 2), 0, -1):
+            key = tuple(ctx[n - d:])
+            if key in self._succ:
+                return d, self._ends(key)
         return 0, None
 
     def match_from(self, ctx: Sequence[int], max_len: int, state: list | None):
         """``SuffixTrie.match_from``: ``(m, ends)`` of the longest continued suffix of ``ctx``
         (``m <= max_len``), reusing ``state`` = ``[version, context length, m, ends, max_len]``:
         with ``j`` tokens appended and the index unchanged the match is at most ``m + j`` long,
-        and exactly that if the old occurrences continue with the new tokens and then some."""
+        and exactly that if the old occurrences continue with the new tokens and then some (tried
+        from a match of at least 3 tokens, whose occurrences are few)."""
         n = len(ctx)
         hi = min(n, max_len, self.max_depth - 1)
         if state is not None and state[0] == self.version and state[4] == max_len and 0 <= n - state[1]:
             j, m0 = n - state[1], state[2]
-            if 3 < m0 + j <= hi and m0 > 0:           # (up to 3 tokens the search is a few lookups)
+            if 3 <= m0 and m0 + j <= hi:
                 ends = state[3]
-                new = ctx[state[1]:]
                 if j:
+                    new = ctx[state[1]:]
                     if len(ends) > self._SMALL:
-                        ends = np.asarray(ends)
                         a = self._arr
                         for i, t in enumerate(new, 1):
                             ends = ends[a[ends + i] == t]
@@ -843,7 +995,9 @@ class CorpusIndex(_OccurrenceExpansion):
                         if len(ends) <= self._SMALL:
                             ends = ends.tolist()
                     else:
-                        tk, new = self._tk, list(new)
+                        tk = self._tk
+                        if type(new) is not list:
+                            new = list(new)
                         ends = [x + j for x in ends if tk[x + 1:x + j + 1] == new]
                 if len(ends) and self._continued(ends):
                     state[1:4] = [n, m0 + j, ends]
@@ -854,41 +1008,76 @@ class CorpusIndex(_OccurrenceExpansion):
             state[:] = [self.version, n, m, ends, max_len]
         return m, ends
 
-    def _children(self, ends, depth: int):
-        """``{token: child ends}`` of the node of length ``depth`` whose occurrences end at
-        ``ends`` (ascending; separators and the indexed end have no continuation; dict order
-        unspecified): up to 2 tokens, the n-gram's successors' occurrence lists; longer, grouped."""
-        if depth < 3:
-            e = int(ends[0])
-            key = tuple(self._tk[e - depth + 1:e + 1])
-            return {t: self._ends(key + (t,)) for t in self._succ.get(key, ())}
-        if len(ends) > self._SMALL:
-            nxt = np.asarray(ends) + 1
-            toks = self._arr[nxt]
-            keep = toks != self.SEP
-            if not keep.all():
-                nxt, toks = nxt[keep], toks[keep]
-            if not len(nxt):
-                return {}
-            return _group_by_token(toks, nxt, self._SMALL)
-        out: dict[int, list[int]] = {}
+    def _kid_list(self, ends, depth: int, count: int, min_prob: float, ahead: int) -> list:
+        """``_OccurrenceExpansion._kid_list``. Strings of up to 2 tokens: from the successors'
+        occurrence lists, memoised while the index is unchanged (the frequent short strings recur
+        in many drafts), as are trigrams with more than ``_SMALL`` occurrences. Longer ones: the
+        tokens after the occurrences (separators and the indexed end have no continuation), in
+        Python up to ``_SMALL`` occurrences, where they all agree for as many tokens ahead as they
+        do a run; numpy beyond."""
+        off, nxt = 0, None                 # the occurrences end at ends + off
+        if type(ends) is tuple:            # a run (at depth > 3, up to _SMALL occurrences)
+            base, off, run, i, after = ends
+            if i < len(run):               # every occurrence continues with run[i]: count, ratio 1
+                return [(-count, run[i], (base, off + 1, run, i + 1, after))]
+            ends, nxt = base, after
         tk = self._tk
-        for x in ends:
-            t = tk[x + 1]
-            if t != _SEP:
-                lst = out.get(t)
-                if lst is None:
-                    out[t] = [x + 1]
+        k = len(ends)
+        if depth < 3 or (depth == 3 and k > self._SMALL):
+            e = int(ends[0])
+            key = tuple(tk[e - depth + 1:e + 1])
+            if self._short_version != self.version:
+                self._short.clear()
+                self._short_version = self.version
+            out = self._short.get((key, min_prob))
+            if out is None:
+                if depth < 3:
+                    out = [(-len(lst), tk[lst[0]], lst) for lst in self._succ.get(key, ())
+                           if 1.0 * len(lst) / count >= min_prob]
+                    out.sort()             # siblings' tokens differ: the ends are never compared
                 else:
-                    lst.append(x + 1)
-        return out
+                    out = _group_np(self._np(key, self._occ[key]) + 1, self._arr, count, min_prob, self._SMALL,
+                                    _SEP)
+                self._short[(key, min_prob)] = out
+            return out
+        if k > self._SMALL:
+            return _group_np(np.asarray(ends) + 1, self._arr, count, min_prob, self._SMALL, _SEP)
+        return self._list_kids(ends, off, nxt, count, min_prob, ahead)
 
-    def _kids(self, ends, depth: int) -> dict:
-        return self._children(ends, depth)
+    def _list_kids(self, ends: list[int], off: int, nxt: list[int] | None, count: int, min_prob: float,
+                   ahead: int) -> list:
+        """``_kid_list`` of the node whose ``len(ends) == count <= _SMALL`` occurrences end at
+        ``ends + off`` (``nxt``: the tokens after them, when known)."""
+        tk, k, o1 = self._tk, len(ends), off + 1
+        if nxt is None:
+            nxt = [tk[x + o1] for x in ends]
+        t0 = nxt[0]
+        if nxt.count(t0) == k:             # one child, as frequent as the node (count == k)
+            if t0 == _SEP:
+                return []
+            run, j, nx = [t0], o1 + 1, None
+            while len(run) < ahead:        # how far all occurrences go on alike (up to ``ahead``;
+                nx = [tk[x + j] for x in ends]   # a separator ends every stream: x + j stays inside)
+                t = nx[0]
+                if t == _SEP or nx.count(t) != k:
+                    break
+                run.append(t)
+                nx = None
+                j += 1
+            return [(-k, t0, (ends, o1, run, 1, nx))]
+        return _group_list(ends, nxt, o1, count, min_prob, _SEP)
 
     def draft(self, context: Sequence[int], cfg: DrafterConfig, budget: int | None = None,
-              source: str = "", state: list | None = None) -> Draft:
-        """``SuffixTrie.draft`` of a trie holding the indexed streams, bitwise."""
+              source: str = "", state: list | None = None, beat: float | None = None,
+              twin: tuple | None = None, copy: bool = True) -> Draft | None:
+        """``SuffixTrie.draft`` of a trie holding the indexed streams, bitwise. ``beat``: return
+        ``None`` instead when the draft's score provably stays below ``beat`` (as
+        :meth:`ContextIndex.draft`: a draft of paths of at most ``cap`` tokens scores at most
+        ``cap``); the match state is updated either way. ``twin``: ``(match length, count,
+        draft)`` of an index holding all of this one's streams (and more) for the same context:
+        when the match has the same length and count there, every occurrence of the matched
+        string and of its continuations lies in this index's streams, so the draft is the twin's.
+        ``copy=False``: the draft's lists are the memoised ones (read them, never change them)."""
         budget = cfg.budget if budget is None else budget
         m, ends = self.match_from(context, max(1, self.max_depth - budget), state)
         if m < cfg.min_match:
@@ -896,6 +1085,14 @@ class CorpusIndex(_OccurrenceExpansion):
         cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
         if cap <= 0:
             return Draft()
+        if beat is not None and cap * (1.0 + 1e-9) + 1e-9 < beat:
+            return None
+        if twin is not None and twin[0] == m and twin[1] == len(ends):
+            d = twin[2]
+            if not copy:
+                return Draft(d.tokens, d.probs, m, d.score, source if d.tokens else "", d.parents)
+            return Draft(list(d.tokens), list(d.probs), m, d.score, source if d.tokens else "",
+                         None if d.parents is None else list(d.parents))
         if self._memo_version != self.version or len(self._memo) > 4096:
             self._memo.clear()
             self._memo_version = self.version
@@ -906,9 +1103,11 @@ class CorpusIndex(_OccurrenceExpansion):
                 hit = self._expand_tree(ends, len(ends), m, budget, cap, cfg.min_token_prob)
             else:
                 hit = (*self._expand(ends, len(ends), m, cap, cfg.min_token_prob), None)
-            self._memo[key] = hit
-        toks, probs, parents = hit
-        return Draft(list(toks), list(probs), m, float(sum(probs)), source if toks else "",
+            hit = self._memo[key] = (*hit, float(sum(hit[1])))
+        toks, probs, parents, score = hit
+        if not copy:
+            return Draft(toks, probs, m, score, source if toks else "", parents)
+        return Draft(list(toks), list(probs), m, score, source if toks else "",
                      None if parents is None else list(parents))
 
 
@@ -1013,13 +1212,31 @@ class SuffixDrafter:
         # the best of (context, group, global) by score, ties to the earlier, none unless > 0; the
         # context comes last here so that its expansion is skipped when it cannot win
         best = Draft()
-        for trie, name in sources:
-            st = states.setdefault(id(trie), [-1, 0, 0, 0, 0])
-            d = trie.draft(tokens, self.cfg, budget, name, st)
-            if d.score > best.score:
-                best = d
+        if len(sources) == 2:
+            # the global draft first: the group's wins with a score >= the global's (> 0), so its
+            # expansion is skipped when its length cap cannot reach that score, or taken from the
+            # global draft when the match is the same there (the global index holds the group's)
+            (gi, gname), (wi, wname) = sources
+            sw = states.setdefault(id(wi), [-1, 0, 0, 0, 0])
+            dw = wi.draft(tokens, self.cfg, budget, wname, sw, copy=False)
+            twin = (sw[2], len(sw[3]), dw) if dw.match_len and sw[3] is not None else None
+            dg = gi.draft(tokens, self.cfg, budget, gname, states.setdefault(id(gi), [-1, 0, 0, 0, 0]),
+                          beat=dw.score if dw.score > 0.0 else None, twin=twin, copy=False)
+            if dg is not None and dg.score > 0.0 and dg.score >= dw.score:
+                best = dg
+            elif dw.score > 0.0:
+                best = dw
+        else:
+            for trie, name in sources:
+                d = trie.draft(tokens, self.cfg, budget, name, states.setdefault(id(trie), [-1, 0, 0, 0, 0]),
+                               copy=False)
+                if d.score > best.score:
+                    best = d
         if is_ctx:
             d = ctx.draft(self.cfg, budget, beat=best.score if best.score > 0.0 else None)
             if d is not None and d.score > 0.0 and d.score >= best.score:
-                best = d
+                return d
+        if best.tokens:                    # a corpus draft shares the memoised lists: copied
+            best = Draft(list(best.tokens), list(best.probs), best.match_len, best.score, best.source,
+                         None if best.parents is None else list(best.parents))
         return best
