@@ -67,7 +67,9 @@ def _served_order(srv, engines, jobs):
     done, lock, threads = [], threading.Lock(), []
 
     def one(eng, rid, prio):
-        eng.generate(PROMPT, SamplingParams(max_new_tokens=2, temperature=0.0, priority=prio), rid=rid)
+        # 16 tokens, not 1-2: the order is read on the client side, so each request must take far
+        # longer than a loaded machine's thread wake-up, or two quick finishes could swap there
+        eng.generate(PROMPT, SamplingParams(max_new_tokens=16, temperature=0.0, priority=prio), rid=rid)
         with lock:
             done.append(rid)
 
