@@ -24,18 +24,25 @@ def _same(a, b):
     return len(a) == len(b) and all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("shape", ["tree", "chain"])
-def test_fast_path_drafts_bitwise_equal_to_reference_on_replayed_streams(shape):
-    """Tasks t0/t1 of the sampled streams (24 trajectories, 3 RL steps) at batch 8 through the
-    plugin's hook: every step's ids and mask equal the reference path's, so the replays agree."""
-    streams = [s for s in load_streams(str(STREAMS)) if s.group in ("t0", "t1")]
-    assert len(streams) == 24
+def _replay_ref_and_new(streams, shape):
+    """The reference path and the plugin's hook (batch of 8, draft budget 16) replayed on
+    ``streams``, step for step; asserts equal steps and bitwise equal drafts (ids and masks)."""
     n = 17
     ref = replay_steps(SuffixStep(suffix_ref.RefSuffixCorpus(n, draft_config(n, shape), feed=""), "ref",
                                   suffix_ref.ref_gather_draft_inputs), streams, keep=True)
     new = replay_steps(SuffixStep(SuffixCorpus(n, draft_config(n, shape), feed="")), streams, keep=True)
     assert ref.steps > 100 and new.steps == ref.steps
     assert _same(ref.drafts, new.drafts)
+    return ref, new
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_fast_path_drafts_bitwise_equal_to_reference_on_replayed_streams(shape):
+    """Tasks t0/t1 of the sampled streams (24 trajectories, 3 RL steps) at batch 8 through the
+    plugin's hook: every step's ids and mask equal the reference path's, so the replays agree."""
+    streams = [s for s in load_streams(str(STREAMS)) if s.group in ("t0", "t1")]
+    assert len(streams) == 24
+    ref, new = _replay_ref_and_new(streams, shape)
     assert new.emitted == ref.emitted and new.accept_len == ref.accept_len > 2.0
     assert sum(int((d[0][:, 1:] != 0).sum()) for d in new.drafts) > 1000        # it did draft
 
@@ -73,12 +80,7 @@ def test_plugin_drafts_bitwise_equal_to_reference_on_every_stream_set(streams, s
     streams, two tasks of the 0.73M model's and the scripted episodes of two tasks."""
     ss = _stream_set(streams)
     assert len(ss) == 24
-    n = 17
-    ref = replay_steps(SuffixStep(suffix_ref.RefSuffixCorpus(n, draft_config(n, shape), feed=""), "ref",
-                                  suffix_ref.ref_gather_draft_inputs), ss, keep=True)
-    new = replay_steps(SuffixStep(SuffixCorpus(n, draft_config(n, shape), feed="")), ss, keep=True)
-    assert ref.steps > 100 and new.steps == ref.steps
-    assert _same(ref.drafts, new.drafts)
+    ref, new = _replay_ref_and_new(ss, shape)
     assert new.emitted == ref.emitted
     assert sum(int((d[0][:, 1:] != 0).sum()) for d in new.drafts) > 1000        # it did draft
 
