@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import logging
 import os
 import platform
@@ -53,6 +54,7 @@ import signal
 import statistics
 import sys
 import tempfile
+from collections import defaultdict
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -833,6 +835,8 @@ def bench_overhead(args, workdir, device):
                                 "baseline_rollout_s": [min(times["plain"]), max(times["plain"])]},
                      "device": device, "rollout_s": b, "stream_interval": every,
                      "overhead_pct_of_medians": 100 * (b - p) / p,
+                     # per round, in round order (paired by index): runs can be pooled later
+                     "rounds_s": times[kind], "baseline_rounds_s": times["plain"],
                      "max_new_tokens": args.overhead_max_new_tokens,
                      "note": "16 code_repair episodes (tiny steered random model: random shell commands, <= 3 "
                              f"turns of <= {args.overhead_max_new_tokens} tokens, one server with --stream-interval "
@@ -866,6 +870,9 @@ def main(argv=None):
                    help="run nothing: put the rows of another output of this script (e.g. the H200 record "
                         "docs/benchmarks/belayer_h200.json) into --out, replacing --out's rows of the same part and "
                         "device kind; with --plot, redraw")
+    p.add_argument("--pool-engine-reps", nargs="+", default=None, metavar="FILE[@mode:target,...]",
+                   help="run nothing: rebuild --out's engine rows of the runs' device kind from the per-step records "
+                        "of several raw runs (FILE@steps keeps only those steps of FILE); with --plot, redraw")
     p.add_argument("--plot", default=None, help="also draw the rows of --out into this PNG")
     p.add_argument("--plot-only", action="store_true", help="only draw --plot from --out")
     p.add_argument("--kill-at", type=int, default=200)
@@ -913,6 +920,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.merge_rows:
         merge_rows(args.merge_rows, args.out)
+        if args.plot:
+            plot(args.out, args.plot)
+        return 0
+    if args.pool_engine_reps:
+        pool_engine_reps(args.pool_engine_reps, args.out)
         if args.plot:
             plot(args.out, args.plot)
         return 0
@@ -1044,6 +1056,75 @@ def merge_rows(src, out):
     d.setdefault("merged", {})[str(src)] = {"merged_by": f"python scripts/bench_belayer.py --merge-rows {src} --out {out}",
                                             **{k: s[k] for k in ("device", "commands", "engine_run", "rearm_reps")
                                                if k in s}}
+    tmp = Path(str(out) + ".tmp")
+    tmp.write_text(json.dumps(d, indent=1) + "\n")
+    os.replace(tmp, out)
+
+
+def pool_engine_reps(specs, out):
+    """Rebuild ``out``'s engine rows of one device kind from the per-step records (``engine_reps``) of
+    several raw runs of this script, so that each row's median and spread cover every repetition.
+
+    ``specs``: ``FILE`` (all its steps) or ``FILE@mode:target,...`` (only those steps, e.g. to leave
+    out a step measured before a fix). The rows replace ``out``'s rows of part ``engine`` and the
+    runs' device kind; ``merged["pooled engine_reps"]`` records the specs, and each row counts its
+    steps whose output equalled the uninterrupted one (``same_output``)."""
+    res, starts, flags, devices, shape = defaultdict(list), [], [], set(), set()
+    same = defaultdict(lambda: [0, 0])
+    for spec in specs:
+        path, _, keep = spec.partition("@")
+        try:
+            s = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--pool-engine-reps: {path}: cannot read ({e})")
+        wanted = {tuple(x.split(":")) for x in keep.split(",")} if keep else None
+        reps = s.get("engine_reps") or []
+        if not reps:
+            raise SystemExit(f"--pool-engine-reps: {path}: no engine_reps")
+        run = s.get("engine_run") or {}
+        starts += run.get("server_starts_s", [])
+        flags.append(run.get("engine_args", "?") if not run.get("fallback") else
+                     f"{run['engine_args']} (fell back from {run['fallback'].get('failed_args')!r})")
+        cmd = (s.get("commands") or {}).get("engine", "")
+        shape.add((int(re.search(r"--kill-at (\d+)", cmd).group(1)) if "--kill-at" in cmd else 200,
+                   int(re.search(r"--max-new-tokens (\d+)", cmd).group(1)) if "--max-new-tokens" in cmd else 320,
+                   int(re.search(r"--prompt-len (\d+)", cmd).group(1)) if "--prompt-len" in cmd else 64))
+        devices.add(s.get("device"))
+        used = 0
+        for r in reps:
+            key = (r.get("mode"), r.get("kill"))
+            if (wanted is not None and key not in wanted) or r.get("recovery_s") is None:
+                continue
+            res[key].append(r["recovery_s"])
+            same[key][0] += bool(r.get("same_output"))
+            same[key][1] += 1
+            used += 1
+        if wanted is not None and not used:
+            raise SystemExit(f"--pool-engine-reps: {path}: no step matches {keep!r}")
+    if len(devices) != 1:
+        raise SystemExit(f"--pool-engine-reps: the runs are from different devices: {sorted(map(str, devices))}")
+    if len(shape) != 1:
+        raise SystemExit(f"--pool-engine-reps: the runs differ in (kill at, new tokens, prompt): {sorted(shape)}")
+    device, (kill_at, new_tokens, prompt_len) = devices.pop(), shape.pop()
+    ns = argparse.Namespace(engine="sglang" if "SGLang" in str(device) else "embedded", kill_at=kill_at,
+                            max_new_tokens=new_tokens, prompt_len=prompt_len)
+    rows = _engine_rows(ns, res, {"server_starts_s": starts, "engine_args": " | ".join(dict.fromkeys(flags))}, device)
+    for r in rows:
+        target = "child" if "scheduler" in r["fault"] else "group"
+        k, n = same[("shadow", target)]
+        base_note = r["note"].split("; ")[-1] if r["note"].endswith("kill target") else ""
+        r.update(part="engine", device=device, source="pooled: " + "; ".join(specs),
+                 same_output=f"{k} of {n} prefix resumes equal to the uninterrupted output",
+                 note=f"repetitions pooled from {len(specs)} runs (engine flags per run: {' | '.join(flags)}); "
+                      f"SIGKILL after {kill_at} of {new_tokens} tokens, prompt {prompt_len}; server start-up "
+                      f"(warm-up included) median {statistics.median(starts) if starts else float('nan'):.1f} s "
+                      f"of {len(starts)}" + (f"; {base_note}" if base_note else ""))
+    d = json.loads(Path(out).read_text()) if Path(out).exists() else {"device": device, "rows": []}
+    d["rows"] = _sorted_rows([r for r in d["rows"] if (r.get("part", "engine"), _device_kind(r.get("device") or d.get(
+        "device"))) != ("engine", _device_kind(device))] + rows)
+    d.setdefault("merged", {})["pooled engine_reps"] = {
+        "merged_by": "python scripts/bench_belayer.py --pool-engine-reps " + " ".join(specs) + f" --out {out}",
+        "steps": {f"{m}:{t}": v for (m, t), v in sorted(res.items()) if v}}
     tmp = Path(str(out) + ".tmp")
     tmp.write_text(json.dumps(d, indent=1) + "\n")
     os.replace(tmp, out)
