@@ -40,23 +40,25 @@ token log, resumable engine, checkpointed environments), alternated ``--reps`` t
 ``bash scripts/gpu_belayer.sh`` (H200, SGLang: one device call, see there); its rows go into the CPU file
 with ``--merge-rows docs/benchmarks/belayer_h200.json --out docs/benchmarks/belayer.json --plot
 docs/benchmarks/belayer.png`` (rows carry ``device``; ``--merge`` keeps the other device kind's rows).
+``--pool-engine-reps RUN.json[@mode:target,...] ...`` instead rebuilds the engine rows from the
+per-step records of several such runs (medians and ranges over all their repetitions).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import logging
 import os
 import platform
+import re
 import shlex
 import signal
 import statistics
 import sys
 import tempfile
-from collections import defaultdict
 import threading
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
