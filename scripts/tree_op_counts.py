@@ -184,7 +184,7 @@ def host_phases(compression: str, args) -> dict:
     """Milliseconds of each host phase of one step (module docstring), HARTS and baseline."""
     from megatron_harts.ops import chunk_plan
     from megatron_harts.ops.fla_rounds import fused_rounds
-    from megatron_harts.ops.plan import build_chunk_plan_host, conv_fix_plan
+    from megatron_harts.ops.plan import build_chunk_plan_host, conv_fix_plan, conv_fix_taps
     from megatron_harts.packing import pack
     from megatron_harts.planner import plan
     from megatron_harts.planner.plan import assign
@@ -217,6 +217,7 @@ def host_phases(compression: str, args) -> dict:
             for p in ps:
                 if step == "conv_plan":
                     conv_fix_plan(p, 4)
+                    conv_fix_taps(p, 4)
                 elif step == "fused_rounds":
                     fused_rounds(p, C)
                 elif step == "chunk_plan_dev":

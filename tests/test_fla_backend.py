@@ -366,3 +366,46 @@ def test_host_work_per_round_is_the_launch_and_one_state_op(op):
     a, b = counts(p0), counts(p1)
     per_round = {k: (b[k] - a[k]) / (r1 - r0) for k in set(a) | set(b)}
     assert per_round == {("fwd", "aten"): 1, ("fwd", "triton"): 1, ("bwd", "aten"): 2, ("bwd", "triton"): 2}, per_round
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="counts launches through Triton's interpreter (CPU only)")
+def test_tree_conv_and_layout_backward_launch_counts():
+    """Kernel launches (``scripts.moe_op_counts.OpCounter``: aten ops that launch on CUDA) of the
+    tree conv's fla path and of the all-rounds layout's backward, pinned (fewer only on purpose,
+    with the counts in ``docs/benchmarks/e2e_notes.md``). Conv fix-up forward: one gather of the
+    taps from x and one fill past the roots (``plan.conv_fix_taps``; before: gather of the source
+    rows, ``new_zeros`` + ``cat`` of a zero row, gather of the taps: +2); backward: the forward's
+    tap weights and one ``index_add_`` of the weight gradient (before: flip + copy of the weight,
+    flip + add of the gradient: +3). ``rounds_grad_to_compact`` of an fp32 gradient (the GDN gate):
+    2 launches (before 4); other dtypes keep the fp32 sum of the replays (6 in bf16)."""
+    from megatron_harts import workloads as W
+    from megatron_harts.ops.gather import rounds_grad_to_compact
+    from megatron_harts.tree import trees_from_trajectories
+    from scripts.tree_op_counts import counting
+
+    def n(c, phase, kind="launches", source=None):
+        return sum(v for (ph, src, k), v in c.counts.items() if ph == phase and k == kind and source in (None, src))
+
+    p = pack(trees_from_trajectories(W.sweep_batch(1024, 4.0, tokens_per_group=512, vocab_size=64, seed=0)),
+             chunk_size=C)
+    g = torch.Generator().manual_seed(6)
+    xwb = [torch.randn(*s, generator=g) for s in ((p.num_tokens, 8), (8, 4), (8,))]
+    tree_causal_conv1d(*[t.clone().requires_grad_() for t in xwb], p, activation="silu", backend="fla").sum().backward()
+    leaves = [t.clone().requires_grad_() for t in xwb]     # plans built above; fresh leaves: no grad accumulation
+    with counting() as c:
+        c.phase = "fwd"
+        y = tree_causal_conv1d(*leaves, p, activation="silu", backend="fla")
+        c.phase = "bwd"
+        y.sum().backward()
+    # aten launches of ops/conv.py and fla's conv (with the bias: + add forward, + sum and add backward)
+    got = {ph: (n(c, ph, source="conv"), n(c, ph, "triton"), n(c, ph, "syncs")) for ph in ("fwd", "bwd")}
+    assert got == {"fwd": (8, 1, 0), "bwd": (19, 2, 0)}, (got, dict(c.ops))
+
+    plan = chunk_plan(p, C)
+    assert plan.replay_pos.numel()
+    for dtype, launches in ((torch.float32, 2), (torch.bfloat16, 6)):
+        gy = torch.randn(plan.gather_all.shape[0], 2, 3, generator=g).to(dtype)
+        with counting() as c:
+            c.phase = "fwd"
+            rounds_grad_to_compact(gy, plan)
+        assert (n(c, "fwd"), n(c, "fwd", "syncs")) == (launches, 0), (dtype, dict(c.counts))

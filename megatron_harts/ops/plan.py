@@ -55,6 +55,10 @@ class ChunkPlan:
     so the gather's backward is a gather plus P accumulations into U rows. replay_gather: int64
     ``[U + P]`` = ``cat(out_index[replay_rows], replay_pos)``, the owned positions of those U
     tokens then the replayed positions, so the backward reads both with one gather.
+    owned_then_replay: int64 ``[T + P]`` = ``cat(out_index, replay_pos)`` and replay_token: int64
+    ``[P]`` = ``gather_all[replay_pos]``, the compact token of each replayed position: the fp32
+    backward gathers every row it needs at once and adds the P replayed rows into their owned rows
+    in place (the same fp32 additions in the same order as through ``replay_gather``).
     """
 
     rounds: list[ChunkRound]
@@ -68,6 +72,8 @@ class ChunkPlan:
     num_sequences: int
     num_replay_tokens: int
     replay_gather: torch.Tensor
+    owned_then_replay: torch.Tensor
+    replay_token: torch.Tensor
 
     @property
     def num_rounds(self) -> int:
@@ -180,7 +186,9 @@ def chunk_plan(pack: TreePack, chunk_size: int | None = None) -> ChunkPlan:
         rows, slot = np.unique(h["gather_all"][replay_pos], return_inverse=True)
         return ChunkPlan(rounds, t(h["gather_all"]), h["round_sizes"], t(h["out_index"]), t(replay_pos), t(rows),
                          t(slot.astype(np.int64)), C, h["num_sequences"], h["num_replay_tokens"],
-                         t(np.concatenate([h["out_index"][rows], replay_pos]).astype(np.int64)))
+                         t(np.concatenate([h["out_index"][rows], replay_pos]).astype(np.int64)),
+                         t(np.concatenate([h["out_index"], replay_pos]).astype(np.int64)),
+                         t(h["gather_all"][replay_pos].astype(np.int64)))
 
     return pack.cached(("chunk_plan", C, str(pack.device)), device)
 
@@ -239,3 +247,25 @@ def conv_fix_plan(pack: TreePack, width: int) -> tuple[torch.Tensor, torch.Tenso
         return tuple(torch.from_numpy(a).to(pack.device) for a in pack.cached(("host", "conv_fix_plan", width), host))
 
     return pack.cached(("conv_fix_plan", width, str(pack.device)), device)
+
+
+def conv_fix_taps(pack: TreePack, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(index [width * R], past_root [width, R, 1] bool, reverse [width])``: the fix-up rows'
+    ancestor windows of :func:`conv_fix_plan` as row indices into the whole compact array, so a
+    layer gathers its W taps with one ``index_select`` of x and zeroes the taps past a root with one
+    ``masked_fill_`` (``index`` holds 0 there), instead of gathering ``sources``, appending a zero
+    row and gathering again; ``reverse`` = ``[W-1, ..., 0]``, the tap order of the conv weight
+    (``weight[:, W-1-j]`` multiplies ancestor j). Built once per pack, like the plan it restates:
+    ``x[index].view(W, R, D)`` with ``past_root`` zeroed equals ``cat([x[sources], 0])[local]``."""
+
+    def host():
+        anc, rows = _conv_ancestors_host(pack, width), _conv_fix_rows_host(pack, width)
+        window = anc[:, rows]                               # [W, R], anc.shape[1] = past a root
+        past = window == anc.shape[1]
+        return (np.where(past, 0, window).reshape(-1).astype(np.int64), past[:, :, None],
+                np.arange(width - 1, -1, -1, dtype=np.int64))
+
+    def device():
+        return tuple(torch.from_numpy(a).to(pack.device) for a in pack.cached(("host", "conv_fix_taps", width), host))
+
+    return pack.cached(("conv_fix_taps", width, str(pack.device)), device)
