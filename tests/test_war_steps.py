@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from megatron_harts.rollout.war import suffix_ref
 from megatron_harts.rollout.war.replay import Req, SuffixStep, load_streams, replay_steps, tree_accept
@@ -240,6 +240,10 @@ def test_tree_accept_walks_the_mask():
        depth=st.integers(2, 12), budget=st.integers(1, 8), minp=st.sampled_from([0.0, 0.1, 0.3]),
        factor=st.sampled_from([1.0, 2.0]), offset=st.sampled_from([0.0, 1.5]), min_match=st.integers(1, 3),
        tree=st.booleans(), small=st.sampled_from([0, 3, 32]), chunk=st.integers(1, 50), evict=st.integers(0, 3))
+# found by hypothesis (2026-12-03): a match state holding a Python list of more than _SMALL occurrences
+# was filtered as a numpy array (TypeError)
+@example(trajs=[[0, 0, 0, 0]], pieces=[[0]], depth=5, budget=1, minp=0.0, factor=1.0, offset=0.0, min_match=1,
+         tree=False, small=0, chunk=1, evict=0)
 def test_corpus_index_draft_equals_a_trie_of_the_trajectories(trajs, pieces, depth, budget, minp, factor, offset,
                                                              min_match, tree, small, chunk, evict):
     """``CorpusIndex.draft`` (occurrence positions over the concatenated trajectories) equals

@@ -987,7 +987,9 @@ class CorpusIndex(_OccurrenceExpansion):
                 ends = state[3]
                 if j:
                     new = ctx[state[1]:]
-                    if len(ends) > self._SMALL:
+                    # by type, not size: a list may be longer than _SMALL (from a trigram of up to
+                    # _FILTER_NP occurrences, or where a test lowers _SMALL), an array is numpy's
+                    if type(ends) is not list:
                         a = self._arr
                         for i, t in enumerate(new, 1):
                             ends = ends[a[ends + i] == t]
