@@ -8,7 +8,7 @@ a pre-started shadow, bubblewrap + overlayfs sandboxes, the agent loop.
 * a deliberately broken resume (one logged token dropped) is caught by the same comparison;
 * weight updates reach the shadow;
 * the suite: 24 lookup episodes (a tiny steered random model: it calls tools at random) while
-  engine servers are SIGKILLed and sandbox commands are SIGKILLed / SIGSTOPped / fed garbage and
+  engine servers are SIGKILLed while requests stream (after a random number of tokens) and sandbox commands are SIGKILLed / SIGSTOPped / fed garbage and
   sandboxes are destroyed, at random times. Every trajectory completes, equals the fault-free
   rollout's, and replays exactly in a fresh environment; a recovery that hides a context cut
   fails both checks.
@@ -24,7 +24,7 @@ import time
 import pytest
 
 from megatron_harts.rollout.agent_loop import RolloutConfig
-from megatron_harts.rollout.belayer import ResumableEngine, Supervisor
+from megatron_harts.rollout.belayer import ResumableEngine, Supervisor, TokenLog
 from megatron_harts.rollout.belayer.env import BelayerAgentLoop, CheckpointedEnv, CheckpointPolicy
 from megatron_harts.rollout.belayer.faults import (SandboxFaultInjector, compare_rollouts, kill_server,
                                                    lose_sandbox, replay_check)
@@ -260,9 +260,9 @@ def _env_factory(registry, *, hide_cut=False, lose_before_turn=None):
     return factory, make_replay
 
 
-def _rollout(sup, registry, **kw):
+def _rollout(sup, registry, log=None, **kw):
     factory, make_inner = _env_factory(registry, **kw)
-    loop = BelayerAgentLoop([ResumableEngine(sup, 0)], ByteTokenizer(), factory, CFG)
+    loop = BelayerAgentLoop([ResumableEngine(sup, 0, log)], ByteTokenizer(), factory, CFG)
     return loop, loop.rollout(TASKS, [f"t{t}" for t in TASKS]), make_inner
 
 
@@ -283,13 +283,34 @@ def test_fault_injection_suite(sup, reference):
     registry: list = []
     rng = random.Random(0)
     engine_faults = []
+    token_log = TokenLog()
+    done = threading.Event()
+
+    def in_flight(min_tokens):
+        with token_log._lock:
+            return [r for r in token_log.records.values()
+                    if r.finish_reason is None and len(r.output_ids) >= min_tokens]
 
     def engine_killer():
-        for delay in (rng.uniform(0.5, 1.5), rng.uniform(1.0, 2.0)):
-            time.sleep(delay)
-            w = sup.worker(0)
-            if w is not None:
-                engine_faults.append(kill_server(w.server))
+        """SIGKILL the serving worker at random points *while requests stream* (a kill between
+        turns, when nothing is in flight, tests nothing on the engine side; timed kills did that on
+        a fast CI machine): wait for a request with a random number of generated tokens, then kill.
+        At least two kills, and more (up to four) until one has interrupted a request; a kill
+        soon after the last one finds the next shadow still starting (the failover waits for it)."""
+        while not done.is_set() and len(engine_faults) < 4:
+            if len(engine_faults) >= 2 and token_log.resumed():
+                return
+            min_tokens = rng.randint(1, 6)
+            w = None
+            while not done.wait(0.002):
+                w = sup.worker(0)
+                if w is not None and in_flight(min_tokens):
+                    break
+            if done.is_set() or w is None:
+                return
+            engine_faults.append(kill_server(w.server))
+            while not done.wait(0.01) and sup.worker(0) in (None, w):     # until the shadow serves
+                pass
 
     live = lambda: [e.env.sandbox for e in registry if not e.env.sandbox.closed]  # noqa: E731
     killer = threading.Thread(target=engine_killer)
@@ -298,12 +319,15 @@ def test_fault_injection_suite(sup, reference):
     with SandboxFaultInjector({"kill": 1.0, "hang": 0.5, "garbage": 1.0, "lose": 1.0}, rate=0.25, budget=10,
                               lose_targets=live, seed=1) as inj:
         killer.start()
-        loop, res, make_inner = _rollout(sup, registry)
-        killer.join()
+        try:
+            loop, res, make_inner = _rollout(sup, registry, log=token_log)
+        finally:
+            done.set()
+            killer.join()
     wall = time.monotonic() - t0
     sandbox_faults = inj.landed()
     env_faults = [f for e in registry for f in e.stats["faults"]]
-    resumed = [r for eng in loop.engines for r in eng.log.resumed()]
+    resumed = token_log.resumed()
     counts = {"engine_kills": sum(f.landed for f in engine_faults), "sandbox_faults": len(sandbox_faults),
               "env_faults_detected": len(env_faults), "requests_resumed": len(resumed),
               "failovers": [e.how for e in sup.events[n_events:]],
