@@ -552,6 +552,7 @@ def table_fresh(rows: list[dict]) -> list[str]:
     head = ("| model | workload | recompute | steps | traj tokens/step | compression | base step ms med [min-max] "
             "| harts step ms med [min-max] | base host ms | harts host ms | speedup [range] | per-step speedup med "
             "[min-max] | total speedup | fwd+bwd speedup | target | base GiB | harts GiB | lp diff h-b max | lp diff rerun max | lp diff flex-b max | met |")
+    head += " json |" * any("file" in r for r in rows)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         b, h = r["baseline"], r["harts"]
@@ -564,7 +565,8 @@ def table_fresh(rows: list[dict]) -> list[str]:
                      f"| {r['speedup']:.2f} [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}] "
                      + (f"| {ps['median']:.2f} [{ps['min']:.2f}-{ps['max']:.2f}] | {tot:.2f} " if ps else "| - | - ") +
                      f"| {r['speedup_gpu']:.2f} | {r['target']:.2f} | {b['peak_gib']:.1f} | {h['peak_gib']:.1f} "
-                     f"| {r['lp_diff_harts']['max']:.2e} | {rr} | {fb} | {'yes' if r['meets_target'] else 'no'} |")
+                     f"| {r['lp_diff_harts']['max']:.2e} | {rr} | {fb} | {'yes' if r['meets_target'] else 'no'} |"
+                     + (f" {r.get('file', '-')} |" if "json |" in head else ""))
     return lines
 
 
@@ -586,7 +588,7 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    m = metas[0] if metas else {}
+    m = next((x for x in metas if x.get("fresh_batches")), metas[0] if metas else {})
     lines = ["# End-to-end: HARTS vs trajectory-wise training step (H200)", "",
              f"Machine: {m.get('device', '?')}; torch {m.get('torch', '?')}; bf16; chunk {m.get('chunk_size')}; "
              f"median of {m.get('max_steps')} steps after warm-up. Times are forward + backward over all "
@@ -594,7 +596,7 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
              "both sides). `base attn`: the baseline's attention kernel (`varlen` = FlashAttention varlen, "
              "`flex` = FlexAttention with the document mask). Produced by `scripts/bench_e2e.py`; raw numbers in "
              "the JSONs next to this file:", ""]
-    lines += [f"- `{command_line(x.get('argv', []))}`: microbatch capacity "
+    lines += [(f"- {x['file']}: " if x.get("file") else "- ") + f"`{command_line(x.get('argv', []))}`: microbatch capacity "
               f"{x.get('capacity')} tokens" + (f", packs padded to a multiple of {x['pad_multiple']} tokens"
                                                if x.get("pad_multiple") else "") for x in metas]
     fresh = table_fresh(rows)
@@ -615,11 +617,17 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
     for key in sorted({(model_label(r), r["recompute"], bool(r.get("fresh_batches"))) for r in rows}):
         pts = sorted((r["compression"], r["speedup"], r["workload"]) for r in rows
                      if (model_label(r), r["recompute"], bool(r.get("fresh_batches"))) == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if key[2] else "x--",
-                label=f"{key[0]}, recompute {'on' if key[1] else 'off'}" + (", new batch/step" if key[2] else ", same batch"))
+        # several runs of one workload (one JSON each): every run a marker, the line through their median
+        runs = {}
         for c, s, w in pts:
+            runs.setdefault((w, c), []).append(s)
+        line = sorted((c, statistics.median(v)) for (w, c), v in runs.items())
+        (h,) = ax.plot([c for c, _ in line], [s for _, s in line], "-" if key[2] else "--",
+                       label=f"{key[0]}, recompute {'on' if key[1] else 'off'}" + (", new batch/step" if key[2] else ", same batch"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o" if key[2] else "x", color=h.get_color(), ms=4)
+        for (w, c), v in runs.items():
             if not w.startswith("sweep"):
-                ax.annotate(w, (c, s), fontsize=7)
+                ax.annotate(w, (c, max(v)), fontsize=7)
     hi = max([r["compression"] for r in rows] + [2]) * 1.05
     ax.plot([1, hi], [1, hi], "k--", lw=0.8, label="ideal (= compression)")
     ax.plot([1, hi], [0.9, 0.9 * hi], "k:", lw=0.8, label="target 0.9x")
@@ -687,9 +695,11 @@ def main(argv: list[str] | None = None) -> int:
             with open(path) as f:
                 d = json.load(f)
             grouped = bool(d["meta"].get("grouped_experts"))     # a run-wide flag: tag its MoE rows
-            rows += [{**r, "grouped_experts": True} if grouped and r["model"] == "moe" else r for r in d["rows"]]
+            name = os.path.basename(path)                         # each row names its JSON (several runs per row kind)
+            rows += [{**r, "file": name, **({"grouped_experts": True} if grouped and r["model"] == "moe" else {})}
+                     for r in d["rows"]]
             failed += d.get("failed", [])
-            metas.append(d["meta"])
+            metas.append({**d["meta"], "file": name})
         render(rows, metas, args.out, failed)
         print("\n".join(table_fresh(rows) + table(rows)))
         return 0

@@ -53,6 +53,11 @@ def test_bench_e2e_cpu_smoke(tmp_path):
     assert plot.returncode == 0, plot.stderr[-3000:]
     md = (tmp_path / "e2e.md").read_text()
     assert md.count("| dense |") == 2 and "New global batch every step" in md and "Same batch" not in md
+    # each row names its JSON (several runs of one row kind sit in one table), columns aligned with the header
+    head = next(line for line in md.splitlines() if line.startswith("| model |"))
+    rows = [line for line in md.splitlines() if line.startswith("| dense |")]
+    assert head.endswith(" json |") and all(r.endswith(" e2e.json |") and r.count("|") == head.count("|") for r in rows)
+    assert "- e2e.json: `scripts/bench_e2e.py" in md
     assert (tmp_path / "e2e.png").stat().st_size > 0
 
 
