@@ -15,6 +15,8 @@ unpacked torch path vs the baseline: up to 3.5e-5). They are held to DECAY_TOL =
 GDN core in fp64 the tree-vs-baseline error of these grads drops to 3e-7, the rest being
 Megatron's fp32 casts of ``gate``/``alpha``.)
 """
+import math
+
 import pytest
 import torch
 
@@ -127,6 +129,49 @@ def test_verify_reversed_rerun_maps_back_to_the_original_order(models):
     diff = verify.compare(rev, base)
     assert diff["max_logprob_abs_diff"] < 1e-5 and diff["loss_rel_diff"] < TOL, diff
     assert diff["max_grad_rel_diff_non_decay"] < TOL, diff
+
+
+def test_verify_permuted_reruns_map_back_to_the_original_order(models):
+    """``verify.run_permuted`` in every order of ``verify.noise_orders`` (the CUDA noise floor's reruns):
+    the same log-probs, loss and gradients as ``run_packed`` in fp32, with trees of different sizes
+    so a wrong mapping would pair different trajectories; ``run_side(order=...)`` is the same run."""
+    trees = [RolloutTree.from_trajectories(t) for t in _random_trees(7, num_trees=4)]
+    assert len({len(t.records) for t in trees}) > 1
+    ws = _weights(trees, seed=5)
+    orders = verify.noise_orders(len(trees), 4, seed=1)
+    assert orders[0] == [3, 2, 1, 0] and len(orders) == 4
+    with cpu_shim.cpu_megatron(seed=0):
+        base = run_packed(models["plain"], trees, pack_trajectories, ws)
+        for order in orders:
+            got = verify.run_permuted(models["plain"], trees, pack_trajectories, ws, C, "cpu", order)
+            assert [len(x) for x in got[0]] == [len(x) for x in base[0]]
+            diff = verify.compare(got, base)
+            assert diff["max_logprob_abs_diff"] < 1e-5 and diff["loss_rel_diff"] < TOL, (order, diff)
+            assert diff["max_grad_rel_diff_non_decay"] < TOL, (order, diff)
+        side = verify.run_side(models["plain"], trees, pack_trajectories, ws, C, order=orders[1])
+        assert verify.compare(side[:3], base)["max_logprob_abs_diff"] < 1e-5
+
+
+def test_noise_orders_are_distinct_non_identity_and_seeded():
+    """Reversed first, then distinct shuffles; never the identity (that would rerun the baseline's own
+    order: no noise); deterministic per seed; capped by the orders that exist; none for one tree."""
+    for n, k in ((2, 4), (3, 4), (3, 9), (6, 4), (12, 6)):
+        orders = verify.noise_orders(n, k, seed=0)
+        ident = list(range(n))
+        assert orders[0] == ident[::-1]
+        assert len(orders) == min(k, math.factorial(n) - 1), (n, k, orders)
+        assert all(sorted(o) == ident and o != ident for o in orders)
+        assert len({tuple(o) for o in orders}) == len(orders)
+        assert verify.noise_orders(n, k, seed=0) == orders
+    assert verify.noise_orders(6, 4, seed=0) != verify.noise_orders(6, 4, seed=1)
+    assert verify.noise_orders(1, 4) == [] and verify.noise_orders(5, 0) == []
+
+
+def test_verify_noise_reruns_argument(capsys):
+    """``--noise-reruns 0`` is refused at parse time with a one-line message, exit 2."""
+    with pytest.raises(SystemExit) as e:
+        verify.main(["--noise-reruns", "0"])
+    assert e.value.code == 2 and "--noise-reruns must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_verify_cuda_gate_uses_the_largest_noise_comparison():
