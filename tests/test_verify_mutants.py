@@ -9,8 +9,10 @@ records them. Also: ``--dtype float64`` (every class, decay included, within 1e-
 ``E`` pattern without ``--num-moe-experts``, and the per-class noise gate of ``--device cuda``.
 """
 import contextlib
+import dataclasses
 import io
 import json
+import os
 
 import pytest
 import torch
@@ -309,3 +311,51 @@ def test_mutants_rejected_with_grouped_experts(workload):
     names = [n for n, _ in m.named_parameters()]
     assert any(n.endswith("mlp.experts.linear_fc1.weight") for n in names)
     assert not any("local_experts" in n for n in names)
+
+
+def test_cuda_check_flow_on_cpu(workload, monkeypatch):
+    """``verify --device cuda`` end to end without a GPU: the model built through ``cpu_shim`` (fp32, torch
+    backends) instead of ``megatron.gpu``, ``"cuda"`` tensors kept on the CPU, the FlashAttention-varlen
+    branch taken (its FlexAttention baseline on the same kernel here). Checks the flow the H200 runs:
+    ``--noise-reruns`` reruns of each baseline in ``noise_orders`` (reversed first), every rerun's
+    difference in the floor, the JSON keys, a correct tree passing and a mutant rejected by its plan
+    check; one tree (no other order exists) is a clear error, exit 2."""
+    from megatron_harts.megatron import cpu_shim, gpu, tree_hybrid_stack_spec
+    from megatron_harts.megatron.cpu_shim import build_tiny_hybrid_model
+    from megatron_cpu_launch import CudaToCpu
+
+    def build(pattern, vocab, max_len, spec="local", grouped_experts=False, hidden_size=64, **over):
+        return build_tiny_hybrid_model(pattern, vocab_size=vocab, max_sequence_length=max_len, init_method_std=0.1,
+                                       hybrid_stack_spec=tree_hybrid_stack_spec(over.get("num_moe_experts"),
+                                                                                grouped_experts=grouped_experts),
+                                       **{k: v for k, v in over.items() if k != "moe_router_dtype"})
+    monkeypatch.setattr(gpu, "init_single_gpu", lambda seed: cpu_shim.cpu_manual_seed(seed))
+    monkeypatch.setattr(gpu, "build_gpu_hybrid_model", build)
+    monkeypatch.setattr(verify, "chain_pack_backend", lambda device: "varlen")
+    monkeypatch.setattr(verify, "attention_backend", lambda model, kind: contextlib.nullcontext())
+    orders = []
+    real_side = verify.run_side
+
+    def run_side(*a, **k):
+        orders.append(k.get("order"))
+        return real_side(*a, **k)
+    monkeypatch.setattr(verify, "run_side", run_side)
+    four = os.path.join(os.path.dirname(workload[0]), "four_trees.jsonl")     # 4 trees: 23 other orders
+    write_jsonl(four, agentic_batch(dataclasses.replace(CONFIG, num_groups=4)))
+    with cpu_shim.cpu_megatron(seed=1), CudaToCpu():
+        rc, res = _verify("--trajectories", four, *MODEL, "--device", "cuda", "--noise-reruns", "3")
+        assert rc == 0, res
+        want = verify.noise_orders(4, 3, seed=1)
+        assert len(want) == 3
+        assert orders == [None] + want + [None] + want + [None], orders      # base, reruns, flex, reruns, tree
+        assert res["noise_reruns"] == 3 and {"baseline_rerun", "baseline_flex_rerun", "tree_vs_baseline_flex"} <= set(res)
+        orders.clear()
+        rc, res = _verify("--trajectories", four, *MODEL, "--device", "cuda", "--noise-reruns", "2",
+                          "--mutant", "sibling_visible")
+        assert rc == 1 and res["plan"]["plan/attention_mask"] > 0 and res["noise_reruns"] == 2
+    one = os.path.join(os.path.dirname(workload[0]), "one_tree.jsonl")
+    write_jsonl(one, agentic_batch(dataclasses.replace(CONFIG, num_groups=1)))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert verify.main(["--trajectories", one, *MODEL, "--device", "cuda"]) == 2
+    assert "needs at least 2 trees" in err.getvalue()
