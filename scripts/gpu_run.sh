@@ -23,6 +23,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+# the trainer stack of scripts/device/install_harts.sh (Triton 3.7.1, fla, megatron-core): without it on
+# the path a fresh machine's steps die at `import megatron` (2026-12-04, first call)
+[ -d /tmp/harts_site ] && export PYTHONPATH=/tmp/harts_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1])")
 CFG=/tmp/fla_configs
 mkdir -p "$CFG"
