@@ -670,6 +670,9 @@ def _main_cuda(args) -> int:
         print(f"verify: --device cuda needs at least 2 trees (groups of trajectories) for its noise floor, got "
               f"{len(trees)}", file=sys.stderr)
         return 2
+    if len(orders) < args.noise_reruns:
+        print(f"verify: {len(trees)} trees have only {len(orders)} other order(s): the noise floor comes from "
+              f"{len(orders)} rerun(s) per baseline, not {args.noise_reruns}", file=sys.stderr)
     vocab = max(32768, 1 + max(int(max(t.tokens)) for t in trajs))
     g = torch.Generator().manual_seed(args.seed)
     weights = [torch.randn(len(r) - 1, generator=g) for tree in trees for r in tree.records]

@@ -340,6 +340,13 @@ def test_cuda_check_flow_on_cpu(workload, monkeypatch):
         orders.append(k.get("order"))
         return real_side(*a, **k)
     monkeypatch.setattr(verify, "run_side", run_side)
+    floors = []                 # the noise comparisons each gate is taken over
+    real_gates = verify.noise_gates
+
+    def noise_gates(diff, noise, factor):
+        floors.append(len(noise))
+        return real_gates(diff, noise, factor)
+    monkeypatch.setattr(verify, "noise_gates", noise_gates)
     four = os.path.join(os.path.dirname(workload[0]), "four_trees.jsonl")     # 4 trees: 23 other orders
     write_jsonl(four, agentic_batch(dataclasses.replace(CONFIG, num_groups=4)))
     with cpu_shim.cpu_megatron(seed=1), CudaToCpu():
@@ -349,13 +356,21 @@ def test_cuda_check_flow_on_cpu(workload, monkeypatch):
         assert len(want) == 3
         assert orders == [None] + want + [None] + want + [None], orders      # base, reruns, flex, reruns, tree
         assert res["noise_reruns"] == 3 and {"baseline_rerun", "baseline_flex_rerun", "tree_vs_baseline_flex"} <= set(res)
+        assert floors == [6]                    # every rerun of both baselines is in the floor
         orders.clear()
         rc, res = _verify("--trajectories", four, *MODEL, "--device", "cuda", "--noise-reruns", "2",
                           "--mutant", "sibling_visible")
         assert rc == 1 and res["plan"]["plan/attention_mask"] > 0 and res["noise_reruns"] == 2
+        want = verify.noise_orders(4, 2, seed=1)
+        assert orders == [None] + want + [None] + want + [None] and floors == [6, 4], (orders, floors)
     one = os.path.join(os.path.dirname(workload[0]), "one_tree.jsonl")
     write_jsonl(one, agentic_batch(dataclasses.replace(CONFIG, num_groups=1)))
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert verify.main(["--trajectories", one, *MODEL, "--device", "cuda"]) == 2
     assert "needs at least 2 trees" in err.getvalue()
+    err = io.StringIO()                         # 2 trees: one other order only, said on stderr
+    with cpu_shim.cpu_megatron(seed=1), CudaToCpu(), contextlib.redirect_stderr(err):
+        rc, res = _verify("--trajectories", workload[0], *MODEL, "--device", "cuda")
+    assert rc == 0 and res["noise_reruns"] == 1
+    assert "2 trees have only 1 other order(s): the noise floor comes from 1 rerun(s) per baseline, not 4" in err.getvalue()

@@ -1,7 +1,10 @@
 """``scripts/verify_noise_floor.py``: the CPU bf16 analogue of ``verify --device cuda``'s noise floor.
 
-The floor of K reruns is the largest of their differences, so a correct tree's worst ratio to it can
-only fall as K grows; the table flags ratios over the gate; bad arguments get one-line errors."""
+The floor of K reruns is the largest of the first K differences (a running maximum), so a correct
+tree's worst ratio to it can only fall as K grows: a smoke test of the measurement (a floor taken over
+the wrong slice of reruns breaks it), not of the claim that four reruns suffice, which is the
+measurement's output (docs/benchmarks/verify_mutants.md); the table flags ratios over the gate; bad
+arguments get one-line errors."""
 import importlib.util
 import os
 
