@@ -10,7 +10,9 @@ trajectory its own chain: THD packing) and on ``pack(trees)``, and prints one JS
      "max_grad_rel_diff_non_decay", "per_class", "compression", "gates", "margin", "worst_gate"}
     (MoE adds "moe_losses_rel_diff", "moe_counts_rel_diff"; --mutant adds "mutant"; CUDA adds
     "baseline_rerun", "noise_reruns", "params" and, with a varlen baseline, "baseline_flex",
-    "tree_vs_baseline_flex", "baseline_flex_rerun"; the two reruns shown are the reversed-order ones)
+    "tree_vs_baseline_flex", "baseline_flex_rerun"; the two reruns shown are the reversed-order ones;
+    "baseline_reruns" / "baseline_flex_reruns" hold every rerun's difference, in rerun order, so the
+    gates of fewer reruns can be recomputed from one run)
 
 The loss is ``sum_i <logprobs_i, w_i>`` with random weights. Gradients are compared per parameter
 (``max|a - b| / max|b|``) and gated per parameter class (:data:`PARAM_CLASSES`: embedding, attention
@@ -703,8 +705,9 @@ def _main_cuda(args) -> int:
         if base_flex is not None:
             same_kernel = compare(tree, base_flex, windows)
             res.update(baseline_flex=compare(base_flex, base, windows), tree_vs_baseline_flex=same_kernel,
-                       baseline_flex_rerun=noise_flex[0])
-        res.update(compression=pack(trees).compression, baseline_rerun=noise_base[0], noise_reruns=len(orders),
+                       baseline_flex_rerun=noise_flex[0], baseline_flex_reruns=noise_flex)
+        res.update(compression=pack(trees).compression, baseline_rerun=noise_base[0], baseline_reruns=noise_base,
+                   noise_reruns=len(orders),
                    params=n_params, trajectories=len(trajs), plan=plan_errors(p))
         gates = noise_gates(same_kernel, noises, args.noise_factor)
         return res, {**gates, **{k: (v, 0.0) for k, v in res["plan"].items()}}

@@ -357,6 +357,14 @@ def test_cuda_check_flow_on_cpu(workload, monkeypatch):
         assert orders == [None] + want + [None] + want + [None], orders      # base, reruns, flex, reruns, tree
         assert res["noise_reruns"] == 3 and {"baseline_rerun", "baseline_flex_rerun", "tree_vs_baseline_flex"} <= set(res)
         assert floors == [6]                    # every rerun of both baselines is in the floor
+        # every rerun's difference is reported, the reversed one first, and the gates are recomputable from them
+        assert len(res["baseline_reruns"]) == len(res["baseline_flex_reruns"]) == 3
+        assert res["baseline_reruns"][0] == res["baseline_rerun"]
+        assert res["baseline_flex_reruns"][0] == res["baseline_flex_rerun"]
+        again = verify.noise_gates(res["tree_vs_baseline_flex"], res["baseline_reruns"] + res["baseline_flex_reruns"],
+                                   3.0)                             # --noise-factor default
+        assert {k: bar for k, (_, bar) in again.items()} == {k: g["gate"] for k, g in res["gates"].items()
+                                                            if not k.startswith("plan/")}
         orders.clear()
         rc, res = _verify("--trajectories", four, *MODEL, "--device", "cuda", "--noise-reruns", "2",
                           "--mutant", "sibling_visible")
