@@ -20,12 +20,17 @@ fingerprint() { find megatron_harts scripts tests configs -type f \( -name '*.py
 [ "${1:-}" = --fingerprint ] && { fingerprint; exit 0; }
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+dirs=()
 echo "[gpu_plan] commit ${HARTS_COMMIT:-unknown}, sources $(fingerprint)" | tee -a "$OUT/plan.log"
 for spec in "$@"; do
   IFS=: read -r step secs args <<< "$spec"
   [[ "$secs" =~ ^[0-9]+$ ]] || { echo "expected STEP:SECONDS[:ARGS], got $spec" >&2; exit 2; }
   secs=$((10#$secs))                        # "090" is not octal
-  mkdir -p "$OUT/$step"
+  # a step named twice gets folders STEP, STEP.2, ... (on 2026-12-05 a second verify-moe overwrote the first's)
+  dir=$step; n=1
+  while [ -e "$OUT/$dir" ]; do n=$((n + 1)); dir=$step.$n; done
+  dirs+=("$dir")
+  mkdir -p "$OUT/$dir"
   # The watchdog's clock starts after the imports (torch, Megatron, fla: up to ~30 s on a fresh
   # machine), `timeout`'s at launch: with a 10 s margin `timeout` killed two steps before any stack
   # dump (fifth session), so the margin is 45 s.
@@ -34,12 +39,12 @@ for spec in "$@"; do
   read -r -a more <<< "${args:-}"
   extra+=("${more[@]}")
   start=$(date +%s)
-  OUT="$OUT/$step" timeout --kill-after=10 "$secs" bash scripts/gpu_run.sh "$step" "${extra[@]}" \
-    > "$OUT/$step/$step.log" 2>&1
-  echo "[gpu_plan] $step rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/plan.log"
-  tail -n 12 "$OUT/$step/$step.log"
+  OUT="$OUT/$dir" timeout --kill-after=10 "$secs" bash scripts/gpu_run.sh "$step" "${extra[@]}" \
+    > "$OUT/$dir/$step.log" 2>&1
+  echo "[gpu_plan] $dir rc=$? in $(( $(date +%s) - start )) s: $step ${args:-}" | tee -a "$OUT/plan.log"
+  tail -n 12 "$OUT/$dir/$step.log"
 done
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*) || exit 1
 if [ "${KEEP_STEP_FILES:-0}" != 1 ]; then
-  for spec in "$@"; do rm -rf "${OUT:?}/${spec%%:*}"; done    # packed above
+  for dir in "${dirs[@]}"; do rm -rf "${OUT:?}/$dir"; done    # packed above
 fi
