@@ -361,8 +361,8 @@ def test_cuda_check_flow_on_cpu(workload, monkeypatch):
         assert len(res["baseline_reruns"]) == len(res["baseline_flex_reruns"]) == 3
         assert res["baseline_reruns"][0] == res["baseline_rerun"]
         assert res["baseline_flex_reruns"][0] == res["baseline_flex_rerun"]
-        again = verify.noise_gates(res["tree_vs_baseline_flex"], res["baseline_reruns"] + res["baseline_flex_reruns"],
-                                   3.0)                             # --noise-factor default
+        again = real_gates(res["tree_vs_baseline_flex"], res["baseline_reruns"] + res["baseline_flex_reruns"],
+                            3.0)                                    # --noise-factor default; unrecorded
         assert {k: bar for k, (_, bar) in again.items()} == {k: g["gate"] for k, g in res["gates"].items()
                                                             if not k.startswith("plan/")}
         orders.clear()
