@@ -304,9 +304,12 @@ def peak_gib(device) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
 
-def reset_peak(device):
+def reset_peak(device, empty_cache: bool = True):
+    """Restart the peak-memory count (``max_memory_allocated``: live tensors, not the cache); with
+    ``empty_cache`` also hand the allocator's cached blocks back to the driver first."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        if empty_cache:
+            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
 
@@ -390,6 +393,42 @@ def batch_seeds(args) -> tuple[list[int], list[int]]:
             [args.seed + k for k in range(args.max_steps)])
 
 
+def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], args, cm, device, clock: "Clock",
+                norm_of, empty_cache: bool) -> tuple[dict, dict, dict]:
+    """The timed global-batch steps of a fresh-batch row: for each seed of ``timed``, both sides plan,
+    pack, copy and run forward + backward on that batch (the side that goes first alternates).
+    ``empty_cache``: return the allocator's cached blocks to the driver before each side's step (every
+    step then allocates its activations anew). Returns (per-side lists of step dicts with times in ms,
+    the first step's log-probs per side, peak GiB per side)."""
+    steps = {s: [] for s in ("baseline", "harts")}
+    lps, peak = {}, {s: 0.0 for s in steps}
+    for k, seed in enumerate(timed):
+        trajs = batches[seed]
+        a = argparse.Namespace(**{**vars(args), "seed": seed})
+        norm = norm_of(trajs)
+        for side in (("baseline", "harts") if k % 2 == 0 else ("harts", "baseline")):
+            reset_peak(device, empty_cache=empty_cache)
+            times: dict = {}
+            clock.sync()
+            t0 = time.perf_counter()
+            mbs = microbatches(trajs, side, a, cm, device, times=times)
+            fm, bm, lp = train_step(model, mbs, norm, clock, keep_logprobs=k == 0)
+            wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
+            peak[side] = max(peak[side], peak_gib(device))
+            if k == 0:
+                lps[side] = lp
+            steps[side].append(dict(seed=seed, wall_ms=wall, fwd_ms=fm, bwd_ms=bm, grad_ms=fm + bm,
+                                    host_ms=times["plan"] + times["pack"] + times["copy"], plan_ms=times["plan"],
+                                    pack_ms=times["pack"], copy_ms=times["copy"], microbatches=len(mbs),
+                                    traj_tokens=sum(len(t) for t in trajs),
+                                    compact_tokens=sum(m["compact"] for m in mbs),
+                                    pad_tokens=sum(m["pad"] for m in mbs), rounds=sum(m["rounds"] for m in mbs)))
+            del mbs
+        log(f"{label} step {k + 1}/{len(timed)}{' (cache emptied per step)' if empty_cache else ''}: " + ", ".join(
+            f"{s} {steps[s][-1]['wall_ms']:.0f} ms (host {steps[s][-1]['host_ms']:.0f})" for s in steps))
+    return steps, lps, peak
+
+
 def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: dict[int, list], args, device) -> dict:
     """One row as training meets it: ``--warmup-batches`` global batches (compile / autotune on
     other data), then ``--max-steps`` timed steps per side, each on a new global batch (both sides
@@ -422,32 +461,10 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
     precompile_s = time.perf_counter() - t0
     log(f"{model_name} {wl}: tree attention compiled for {compiled} new pack lengths in {precompile_s:.1f} s")
     model.zero_grad(set_to_none=True)
-    steps = {s: [] for s in ("baseline", "harts")}
-    lps, peak = {}, {s: 0.0 for s in steps}
-    for k, seed in enumerate(timed):
-        trajs = batches[seed]
-        a = argparse.Namespace(**{**vars(args), "seed": seed})
-        norm = norm_of(trajs)
-        for side in (("baseline", "harts") if k % 2 == 0 else ("harts", "baseline")):
-            reset_peak(device)
-            times: dict = {}
-            clock.sync()
-            t0 = time.perf_counter()
-            mbs = microbatches(trajs, side, a, cm, device, times=times)
-            fm, bm, lp = train_step(model, mbs, norm, clock, keep_logprobs=k == 0)
-            wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
-            peak[side] = max(peak[side], peak_gib(device))
-            if k == 0:
-                lps[side] = lp
-            steps[side].append(dict(seed=seed, wall_ms=wall, fwd_ms=fm, bwd_ms=bm, grad_ms=fm + bm,
-                                    host_ms=times["plan"] + times["pack"] + times["copy"], plan_ms=times["plan"],
-                                    pack_ms=times["pack"], copy_ms=times["copy"], microbatches=len(mbs),
-                                    traj_tokens=sum(len(t) for t in trajs),
-                                    compact_tokens=sum(m["compact"] for m in mbs),
-                                    pad_tokens=sum(m["pad"] for m in mbs), rounds=sum(m["rounds"] for m in mbs)))
-            del mbs
-        log(f"{model_name} {wl} step {k + 1}/{len(timed)}: " + ", ".join(
-            f"{s} {steps[s][-1]['wall_ms']:.0f} ms (host {steps[s][-1]['host_ms']:.0f})" for s in steps))
+    # Megatron keeps the allocator's cache across iterations (--empty-unused-memory-level 0, its default);
+    # rows before 2026-12-05 emptied it before every timed step of each side (--empty-cache step)
+    steps, lps, peak = timed_steps(model, f"{model_name} {wl}", batches, timed, args, cm, device, clock, norm_of,
+                                   empty_cache=args.empty_cache == "step")
     tok = sum(st["traj_tokens"] for st in steps["baseline"])
     row = dict(model=model_name, workload=wl, recompute=recompute, fresh_batches=True, steps=len(timed),
                warmup_batches=len(warm), trajectories=len(batches[timed[0]]), trajectory_tokens=tok // len(timed),
@@ -499,6 +516,17 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
     row["speedup_per_step"], row["speedup_total"] = paired_speedups(row)
     row["target"] = 0.9 * row["compression"]
     row["meets_target"] = row["speedup"] >= row["target"] and (wl != "swe" or not recompute or row["speedup"] >= 5)
+    row["empty_cache"] = args.empty_cache == "step"
+    if args.empty_cache == "both":      # the same timed batches again (planned and packed again), cache emptied per step
+        alt, _, _ = timed_steps(model, f"{model_name} {wl}", batches, timed, args, cm, device, clock, norm_of,
+                                empty_cache=True)
+        row["empty_cache_step"] = {s: dict(wall_ms=spread([x["wall_ms"] for x in st]),
+                                           grad_ms=statistics.median(x["grad_ms"] for x in st), steps=st)
+                                   for s, st in alt.items()}
+        row["empty_cache_step"]["speedup"] = (row["empty_cache_step"]["baseline"]["wall_ms"]["median"] /
+                                              row["empty_cache_step"]["harts"]["wall_ms"]["median"])
+        log(f"{model_name} {wl}: speedup {row['speedup']:.2f} with the cache kept, "
+            f"{row['empty_cache_step']['speedup']:.2f} with it emptied before every step")
     return row
 
 
@@ -551,7 +579,7 @@ def table_fresh(rows: list[dict]) -> list[str]:
         return []
     head = ("| model | workload | recompute | steps | traj tokens/step | compression | base step ms med [min-max] "
             "| harts step ms med [min-max] | base host ms | harts host ms | speedup [range] | per-step speedup med "
-            "[min-max] | total speedup | fwd+bwd speedup | target | base GiB | harts GiB | lp diff h-b max | lp diff rerun max | lp diff flex-b max | met |")
+            "[min-max] | total speedup | fwd+bwd speedup | target | base GiB | harts GiB | lp diff h-b max | lp diff rerun max | lp diff flex-b max | allocator cache | met |")
     head += " json |" * any("file" in r for r in rows)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -565,9 +593,19 @@ def table_fresh(rows: list[dict]) -> list[str]:
                      f"| {r['speedup']:.2f} [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}] "
                      + (f"| {ps['median']:.2f} [{ps['min']:.2f}-{ps['max']:.2f}] | {tot:.2f} " if ps else "| - | - ") +
                      f"| {r['speedup_gpu']:.2f} | {r['target']:.2f} | {b['peak_gib']:.1f} | {h['peak_gib']:.1f} "
-                     f"| {r['lp_diff_harts']['max']:.2e} | {rr} | {fb} | {'yes' if r['meets_target'] else 'no'} |"
+                     f"| {r['lp_diff_harts']['max']:.2e} | {rr} | {fb} | {cache_label(r)} "
+                     f"| {'yes' if r['meets_target'] else 'no'} |"
                      + (f" {r.get('file', '-')} |" if "json |" in head else ""))
     return lines
+
+
+def cache_label(r: dict) -> str:
+    """Allocator column of a fresh-batch row: ``kept`` (cached blocks reused across steps, as in Megatron)
+    or ``emptied`` (before every timed step of each side: rows before 2026-12-05 have no such key), and
+    with ``--empty-cache both`` the speedup of the same batches with the cache emptied."""
+    label = "emptied" if r.get("empty_cache", True) else "kept"
+    e = r.get("empty_cache_step")
+    return label + (f" (emptied: {e['speedup']:.2f})" if e else "")
 
 
 def command_line(argv: list[str]) -> str:
@@ -609,7 +647,10 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
                   f"{warm}, then each timed step on a new batch (same "
                   "trajectories on both sides). Step ms = wall clock of planning, packing, host-to-device copies, "
                   "per-pack plans / block masks and forward + backward of all microbatches; host ms = the planning, "
-                  "packing and copy part; speedup from the median step times, [range] = min/max ratio over steps.",
+                  "packing and copy part; speedup from the median step times, [range] = min/max ratio over steps. "
+                  "Allocator cache: `kept` across steps as in Megatron (`--empty-unused-memory-level 0`), or "
+                  "`emptied` before every timed step of each side (rows before 2026-12-05; every step then "
+                  "allocates its memory anew); `(emptied: x)` = the same batches timed again that way.",
                   ""] + fresh
     if len(fresh) < len(rows):
         lines += ["", "## Same batch every step (history: packs built once, outside the timing)", ""] + table(rows)
@@ -676,6 +717,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swe-max-tokens", type=int, default=32768)
     ap.add_argument("--tau-groups", type=int, default=8)
     ap.add_argument("--sweep-tokens", type=int, default=131072)
+    ap.add_argument("--empty-cache", choices=["never", "step", "both"], default="never",
+                    help="fresh-batch rows: keep the CUDA caching allocator's blocks across steps as Megatron does "
+                    "(never; its --empty-unused-memory-level 0), empty it before every timed step of each side "
+                    "(step; the protocol of rows before 2026-12-05), or time both (both: the row keeps the cache, "
+                    "its empty_cache_step holds the same batches with the cache emptied)")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per side and row")
     ap.add_argument("--no-rerun", dest="rerun", action="store_false", help="skip the baseline rerun")
     ap.add_argument("--seed", type=int, default=1)
@@ -726,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
                 chunk_size=args.chunk_size, max_steps=args.max_steps, pad_multiple=args.pad_multiple,
                 vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv, fresh_batches=not args.same_batch,
                 grouped_experts=args.grouped_experts, moe_dispatcher=args.moe_dispatcher,
-                warmup_batches=0 if args.same_batch else args.warmup_batches)
+                warmup_batches=0 if args.same_batch else args.warmup_batches, empty_cache=args.empty_cache)
     if args.same_batch:
         data = {wl: workload(wl, args) for wl in wls}
         all_trajs = [t for ts in data.values() for t in ts]

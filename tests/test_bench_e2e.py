@@ -14,7 +14,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="2", TORCHDYNAMO_DISABLE="1")
     cmd = [sys.executable, "-W", "ignore", os.path.join(ROOT, "scripts", "bench_e2e.py"), "--device", "cpu", "--tiny",
            "--models", "dense,moe", "--workloads", "swe", "--recompute", "both", "--max-steps", "2",
-           "--warmup-batches", "1", "--out", str(tmp_path)]
+           "--warmup-batches", "1", "--empty-cache", "both", "--out", str(tmp_path)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads((tmp_path / "e2e.json").read_text())
@@ -48,6 +48,14 @@ def test_bench_e2e_cpu_smoke(tmp_path):
         assert r["speedup_per_step"]["min"] == ratios[0] and r["speedup_per_step"]["max"] == ratios[-1]
         assert abs(r["speedup_total"] - sum(x["wall_ms"] for x in b) / sum(y["wall_ms"] for y in h)) < 1e-9
         assert abs(r["compression"] - sum(x["traj_tokens"] for x in b) / sum(x["compact_tokens"] for x in h)) < 1e-9
+        # --empty-cache both: the row keeps the allocator's cache (as Megatron does); the same batches again with
+        # the cache emptied before every step are beside it
+        assert data["meta"]["empty_cache"] == "both" and r["empty_cache"] is False
+        e = r["empty_cache_step"]
+        for side, main in (("baseline", b), ("harts", h)):
+            assert [x["seed"] for x in e[side]["steps"]] == [x["seed"] for x in main]
+            assert [x["compact_tokens"] for x in e[side]["steps"]] == [x["compact_tokens"] for x in main]
+        assert abs(e["speedup"] - e["baseline"]["wall_ms"]["median"] / e["harts"]["wall_ms"]["median"]) < 1e-9
     plot = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_e2e.py"), "--plot",
                            str(tmp_path / "e2e.json"), "--out", str(tmp_path)], capture_output=True, text=True)
     assert plot.returncode == 0, plot.stderr[-3000:]
