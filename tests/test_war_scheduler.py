@@ -44,6 +44,30 @@ def test_prefix_locality_stickiness_and_load():
     assert s.place("g3/0", [5] * 64, 0, [1 << 20, 1 << 20, 0]) == 2
 
 
+def test_placed_turns_count_before_they_start():
+    """A turn waiting between placement and start (admission gate, HTTP) is load on its replica, and its
+    context counts as cached there: a group's samples placed before any starts stay together. Before
+    this, they were placed on the prefix models of started turns only and scattered whenever another
+    turn started in between (seen as a flaky 0.67 hit rate in the agent-loop test under CPU load)."""
+    long_prompt = P * 8                                  # 512 tokens
+    s = WarScheduler(3, SchedulerConfig(block=8, expected_decode=16, load_weight=0.5))
+    a = s.place("g/0", long_prompt, 0, [0, 0, 0])
+    assert s.load[a] == len(long_prompt) + 16            # queued work from its placement on
+    s.started(a, "x#0", [7] * 200, 16)                   # another turn starts there meanwhile
+    assert [s.place(f"g/{i}", long_prompt, 0, [0, 0, 0]) for i in (1, 2, 3)] == [a, a, a]
+    assert s.stats["predicted_cached"] == 3 * len(long_prompt)
+    h = s.place("h/0", [5] * 64, 0, [0, 0, 0])           # another task avoids the queued replica
+    assert h != a
+    assert s.place("h/0", [5] * 64, 0, [0, 1 << 20, 1 << 20]) == 0 and s.load[h] == 0.0   # placed again: moved
+    for i in range(4):                                   # started: the estimate becomes the turn's own work
+        s.started(a, f"g/{i}#0", long_prompt, 16)
+    assert s.stats["started_cached"] == 3 * len(long_prompt)      # the first prefill fills the others
+    s.started(0, "h/0#0", [5] * 64, 16)
+    for rid, toks in [(f"g/{i}#0", long_prompt) for i in range(4)] + [("x#0", [7] * 200), ("h/0#0", [5] * 64)]:
+        s.finished(a if rid != "h/0#0" else 0, rid, toks, Generation([1], [0.0], "stop"))
+    assert s.load == [0.0, 0.0, 0.0] and not s._pending
+
+
 def test_trajectory_records_are_bounded_least_recently_placed_first():
     s = WarScheduler(2, SchedulerConfig(block=8, max_trajectories=3))
     for t in ("a", "b", "c"):

@@ -14,7 +14,9 @@ Per turn of a trajectory whose context has ``L`` tokens, replica ``r`` costs (to
 :class:`PrefixModel` (token blocks of ``block`` tokens keyed by the hash of the whole prefix,
 LRU-evicted beyond ``cache_tokens``: a radix cache evicts leaves first, and LRU does the same
 here because matching touches every ancestor block). ``load_r``: the work queued and running on
-``r``: for each turn in flight, its uncached prefill plus ``expected_decode`` tokens.
+``r``: for each turn in flight, its uncached prefill plus ``expected_decode`` tokens, counted from
+its placement (a turn placed but still waiting to start is queued work, and its context counts as
+cached on ``r`` for later placements: a group's samples, placed before any of them starts, stay together).
 ``progress`` in ``[0, 1]``: the trajectory's turns so far over the most turns seen, so late,
 long trajectories (which set the step's makespan) weigh waiting more and move to an idle
 replica earlier; they are also admitted first (``max_running``). A trajectory's next turn
@@ -191,6 +193,11 @@ class WarScheduler:
         self.load = [0.0] * num_replicas            # tokens of work in flight per replica
         self._work: dict[str, tuple[int, float]] = {}     # rid -> (replica, work)
         self._traj: OrderedDict[str, _Traj] = OrderedDict()     # least recently placed first
+        # turns placed but not yet started (queued in an admission gate, or on their way): traj id ->
+        # (replica, block hashes of the context, work). Their work is in ``load`` and their context counts
+        # as cached on that replica for later placements (the prompt will be prefilled there): the
+        # samples of a group, placed together before any of them starts, stay together.
+        self._pending: dict[str, tuple[int, list[int], float]] = {}
         self._max_turns = 1
         self._lock = threading.Lock()
         self.stats = {"turns": 0, "prompt_tokens": 0, "predicted_cached": 0, "reported_cached": 0, "moves": 0,
@@ -214,7 +221,7 @@ class WarScheduler:
             if tr is None:                      # a fork continues its parent's prefix
                 tr = self._traj[traj_id] = _Traj()
                 while len(self._traj) > cfg.max_trajectories:
-                    self._traj.popitem(last=False)
+                    self._drop_pending(self._traj.popitem(last=False)[0])
             else:
                 self._traj.move_to_end(traj_id)
             tr.hashes = self.models[0].block_hashes(tokens, tr.hashes if len(tokens) >= tr.length else None)
@@ -227,16 +234,18 @@ class WarScheduler:
                 kind = [r for r in usable if (r in self._spec) == want]
                 usable = kind or usable
                 self.stats["spec_turns"] += bool(kind) and want
+            self._drop_pending(traj_id)          # placed again before its last placement started
+            pending = self._pending_match(tr.hashes)
             best, best_cost, cached_best = 0, float("inf"), 0
             for r in usable:
-                cached = self.models[r].match(tr.hashes, touch=False)
+                cached = max(self.models[r].match(tr.hashes, touch=False), pending[r])
                 cost = cfg.prefill_weight * (len(tokens) - cached) + \
                     cfg.load_weight * (1.0 + cfg.progress_weight * progress) * self.load[r]
                 if cost < best_cost - 1e-9 or (abs(cost - best_cost) <= 1e-9 and r == tr.replica):
                     best, best_cost, cached_best = r, cost, cached
             if best_cost == float("inf"):
                 best = min(range(self.n), key=lambda r: in_flight[r] if in_flight is not None else 0)
-                cached_best = self.models[best].match(tr.hashes, touch=False)
+                cached_best = max(self.models[best].match(tr.hashes, touch=False), pending[best])
             if tr.replica is not None and tr.replica != best:
                 self.stats["moves"] += 1
             tr.replica = best
@@ -244,7 +253,31 @@ class WarScheduler:
             self.stats["prompt_tokens"] += len(tokens)
             self.stats["predicted_cached"] += cached_best
             self.models[best].match(tr.hashes)           # touch: it is about to be used
+            work = len(tokens) - cached_best + cfg.expected_decode
+            self._pending[traj_id] = (best, tr.hashes, work)
+            self.load[best] += work
         return best
+
+    def _pending_match(self, hashes: list[int]) -> list[int]:
+        """Per replica, the longest prefix (tokens) of ``hashes`` that a pending turn's context shares
+        (with ``hybrid_cache``: only a whole pending context, where the engine will store states)."""
+        out = [0] * self.n
+        for r, other, _ in self._pending.values():
+            k = 0
+            for a, b in zip(hashes, other):
+                if a != b:
+                    break
+                k += 1
+            if self.cfg.hybrid_cache and k < len(other):
+                k = 0
+            out[r] = max(out[r], k * self.cfg.block)
+        return out
+
+    def _drop_pending(self, traj_id: str) -> None:
+        """Forget ``traj_id``'s placed-not-started turn (its work leaves ``load``). Caller holds the lock."""
+        p = self._pending.pop(traj_id, None)
+        if p is not None:
+            self.load[p[0]] = max(0.0, self.load[p[0]] - p[2])
 
     def priority(self, traj_id: str) -> tuple[int, int]:
         """Admission order key (smaller first): more turns done, then longer context, first."""
@@ -263,6 +296,7 @@ class WarScheduler:
     # -- bookkeeping from the engine wrappers --------------------------------------------------------
     def started(self, replica: int, rid: str, tokens: Sequence[int], max_new: int) -> None:
         with self._lock:
+            self._drop_pending(traj_of(rid))     # its placement's estimate -> the turn's own work
             hashes = self.models[replica].block_hashes(tokens)
             cached = self.models[replica].match(hashes, touch=False)
             work = len(tokens) - cached + min(max_new, self.cfg.expected_decode)
@@ -274,6 +308,7 @@ class WarScheduler:
 
     def finished(self, replica: int, rid: str, tokens: Sequence[int], gen: Generation | None) -> None:
         with self._lock:
+            self._drop_pending(traj_of(rid))     # (started already did, unless started was skipped)
             r, work = self._work.pop(rid, (replica, 0.0))
             self.load[r] = max(0.0, self.load[r] - work)
             if gen is not None:
