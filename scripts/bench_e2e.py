@@ -439,6 +439,7 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
     cm = cost_model_for(model_name, args)
     warm, timed = batch_seeds(args)
     norm_of = lambda trajs: float(sum(max(int(np.sum(t.loss_mask)), 0) for t in trajs)) or 1.0  # noqa: E731
+    reset_peak(device)          # each row starts from an empty cache, as a new job does (earlier rows' blocks go)
     for i, seed in enumerate(warm):
         trajs = batches[seed]
         t0 = time.perf_counter()
