@@ -442,11 +442,14 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
     reset_peak(device)          # each row starts from an empty cache, as a new job does (earlier rows' blocks go)
     for i, seed in enumerate(warm):
         trajs = batches[seed]
-        t0 = time.perf_counter()
+        took = {}
         for side in ("baseline", "harts"):
+            t0 = time.perf_counter()
             a = argparse.Namespace(**{**vars(args), "seed": seed})
             train_step(model, microbatches(trajs, side, a, cm, device), norm_of(trajs), clock)
-        log(f"{model_name} {wl}: warm-up batch {i + 1}/{len(warm)} (both sides) {time.perf_counter() - t0:.1f} s")
+            took[side] = time.perf_counter() - t0
+        log(f"{model_name} {wl}: warm-up batch {i + 1}/{len(warm)}: " +    # compilation / autotuning: which side
+            ", ".join(f"{s} {t:.1f} s" for s, t in took.items()))
     # FlexAttention compiles per padded pack length; training has compiled every length it meets
     # after its first steps, so the timed batches' lengths are compiled here, on packs of a planning
     # pass that is thrown away (the timed steps plan, pack and build block masks again).
