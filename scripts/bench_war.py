@@ -460,6 +460,18 @@ def part_h200(args, sink) -> None:
         fail(f"bwrap not on PATH: the {args.family} sandboxes need bubblewrap (dpkg -x .bw/*.deb /tmp/bw; "
              f"export PATH=/tmp/bw/usr/bin:$PATH)")
     args.max_context = min(4096, int(hf.get("max_position_embeddings") or 4096))
+    if args.deepen > 1:
+        # the same logits with --deepen x the layers (megatron_harts.rollout.deepen): decode-bound turns
+        from megatron_harts.rollout.deepen import DeepenError, deepen_checkpoint
+        # beside the temporary files, not in --out (a device call returns what is under $OUT)
+        deep = Path(tempfile.gettempdir()) / f"harts_model_deepened_x{args.deepen}"
+        try:
+            info = deepen_checkpoint(args.model_path, deep, args.deepen, overwrite=True)
+        except DeepenError as e:
+            fail(f"--deepen: {e}")
+        log.info("--deepen %d: %s -> %s (layers %s, parameters %s)", args.deepen, args.model_path, deep,
+                 info["layers"], info["params"])
+        args.model_path = str(deep)
     policies = list(args.policies)
     bad = [p for p in policies if p not in HIGH_POLICIES]
     if bad:
@@ -505,7 +517,7 @@ def part_h200(args, sink) -> None:
     rep_extra = list(SGLANG_PRIO_FLAGS) if "sticky_prio" in policies else []
     dev = f"H200, SGLang 0.5.17, {' '.join(common + rep_extra)}"
     tag = dict(part="h200", max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, family=args.family,
-               model=str(args.model_path))
+               model=str(args.model_path), deepen=args.deepen)
 
     # -- background: the tasks' files and NGRAM's C++ corpus, while the first server starts
     envs_state, ngram_state = {}, {}
@@ -1068,6 +1080,9 @@ def main(argv=None) -> int:
     p.add_argument("--save-streams", default=None, help="drafters_sampled: write the sampled streams (JSONL)")
     p.add_argument("--load-streams", default=None, help="drafters_sampled: replay streams saved by --save-streams")
     p.add_argument("--mem-fraction", type=float, default=0.85, help="h200: GPU memory split over the replicas")
+    p.add_argument("--deepen", type=int, default=1,
+                   help="h200: serve the model with this many times its layers, the appended ones adding zero "
+                        "(same outputs, decode cost of a deeper model; megatron_harts.rollout.deepen)")
     p.add_argument("--sglang-args", default="", help="h200: extra launch_server flags")
     p.add_argument("--max-running", type=int, default=0, help="WAR admission gate per replica (0: off)")
     p.add_argument("--load-weight", type=float, default=1.0, help="WAR cost of a queued token")
