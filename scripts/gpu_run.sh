@@ -26,10 +26,14 @@ mkdir -p "$OUT"
 # the trainer stack of scripts/device/install_harts.sh (Triton 3.7.1, fla, megatron-core): without it on
 # the path a fresh machine's steps die at `import megatron` (2026-12-04, first call)
 [ -d /tmp/harts_site ] && export PYTHONPATH=/tmp/harts_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1])")
+# the model word of the device name ("NVIDIA H200" -> H200, "NVIDIA H100 80GB HBM3" -> H100)
+GPU=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(); m = re.search(r'\b[A-Z]+\d{2,4}[A-Z]?\b', n); print(m.group(0) if m else n.split()[-1])")
 CFG=/tmp/fla_configs
 mkdir -p "$CFG"
 [ -d "configs/fla/$GPU" ] && cp -n "configs/fla/$GPU"/*.json "$CFG"/ 2>/dev/null || true
+# An H100 without its own configs takes the H200's (same sm_90 kernels): on 2026-12-05 a bare H100
+# spent a whole 245 s step autotuning fla's kernels before its first forward finished.
+[ "$GPU" = H100 ] && [ -d configs/fla/H200 ] && cp -n configs/fla/H200/*.json "$CFG"/ 2>/dev/null || true
 export FLA_CACHE_MODE=${FLA_CACHE_MODE:-fuzzy} FLA_CONFIG_DIR=$CFG TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 # Several rows per process: without expandable segments the allocator kept 26 GiB reserved but
