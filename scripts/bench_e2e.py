@@ -38,6 +38,7 @@ to a multiple of N tokens through every layer (computed, not counted; the runs o
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import faulthandler
@@ -48,6 +49,8 @@ import random
 import statistics
 import sys
 import time
+import traceback
+import warnings
 
 import numpy as np
 import torch
@@ -227,9 +230,11 @@ def run_mb(model, mb: dict, norm: float, grad: bool = True):
     return loss, lps
 
 
-def train_step(model, mbs: list[dict], norm: float, clock: Clock, keep_logprobs: bool = False):
+def train_step(model, mbs: list[dict], norm: float, clock: Clock, keep_logprobs: bool = False,
+               times: dict | None = None):
     """Gradient of one global batch (accumulated over microbatches). Returns fwd ms, bwd ms, and
-    {trajectory id: fp32 log-probs} when ``keep_logprobs``."""
+    {trajectory id: fp32 log-probs} when ``keep_logprobs``. ``times["issued"]``: ``perf_counter``
+    seconds when the host had issued the last kernel (before the final device sync)."""
     model.zero_grad(set_to_none=True)
     marks, lp_out = [], {}
     for mb in mbs:
@@ -240,6 +245,8 @@ def train_step(model, mbs: list[dict], norm: float, clock: Clock, keep_logprobs:
         marks.append((a, b, clock.mark()))
         if keep_logprobs:
             lp_out.update({i: lp.detach().float() for i, lp in zip(mb["ids"], lps) if i != "__pad__"})
+    if times is not None:
+        times["issued"] = time.perf_counter()
     clock.sync()
     return (sum(clock.ms(a, b) for a, b, _ in marks), sum(clock.ms(b, c) for _, b, c in marks), lp_out)
 
@@ -325,6 +332,43 @@ def profile_step(model, mbs: list[dict], norm: float, clock: Clock, path: str) -
         f.write(prof.key_averages().table(sort_by=sort, row_limit=40))
 
 
+def _short_path(path: str) -> str:
+    """``.../site-packages/megatron/core/x.py`` -> ``megatron/core/x.py``; this repository's files relative to it."""
+    if "site-packages/" in path:
+        return path.rsplit("site-packages/", 1)[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.relpath(path, root) if path.startswith(root) else path
+
+
+def sync_sites(fn, cuda: bool = True) -> dict:
+    """The host-device synchronisations of ``fn()`` as CUDA reports them
+    (``torch.cuda.set_sync_debug_mode("warn")``; ``cuda=False`` only collects the warnings, for tests):
+    ``{"count": n, "sites": {"file:line function": n, ...}}``, most frequent first, each site the innermost
+    frame outside torch's own Python (this repository, Megatron, fla: the code that asked for the sync)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    sites: collections.Counter = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message).lower():
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if not f.filename.startswith(torch_dir) and not f.filename.endswith("warnings.py")]
+        f = frames[-1] if frames else None
+        sites[f"{_short_path(f.filename)}:{f.lineno} {f.name}" if f else f"{_short_path(filename)}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    return {"count": sum(sites.values()), "sites": dict(sites.most_common())}
+
+
 def bench_row(model, model_name: str, recompute: bool, wl: str, trajs: list, args, device) -> dict:
     clock = Clock(device)
     cm = cost_model_for(model_name, args)
@@ -398,7 +442,9 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
     """The timed global-batch steps of a fresh-batch row: for each seed of ``timed``, both sides plan,
     pack, copy and run forward + backward on that batch (the side that goes first alternates).
     ``empty_cache``: return the allocator's cached blocks to the driver before each side's step (every
-    step then allocates its activations anew). Returns (per-side lists of step dicts with times in ms,
+    step then allocates its activations anew). A step's ``issue_ms``: from its start until the host had
+    issued its last kernel (close to ``wall_ms``: the host binds; well below: the GPU's queue was ahead).
+    Returns (per-side lists of step dicts with times in ms,
     the first step's log-probs per side, peak GiB per side)."""
     steps = {s: [] for s in ("baseline", "harts")}
     lps, peak = {}, {s: 0.0 for s in steps}
@@ -412,12 +458,13 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
             clock.sync()
             t0 = time.perf_counter()
             mbs = microbatches(trajs, side, a, cm, device, times=times)
-            fm, bm, lp = train_step(model, mbs, norm, clock, keep_logprobs=k == 0)
+            fm, bm, lp = train_step(model, mbs, norm, clock, keep_logprobs=k == 0, times=times)
             wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
             peak[side] = max(peak[side], peak_gib(device))
             if k == 0:
                 lps[side] = lp
             steps[side].append(dict(seed=seed, wall_ms=wall, fwd_ms=fm, bwd_ms=bm, grad_ms=fm + bm,
+                                    issue_ms=1e3 * (times["issued"] - t0),
                                     host_ms=times["plan"] + times["pack"] + times["copy"], plan_ms=times["plan"],
                                     pack_ms=times["pack"], copy_ms=times["copy"], microbatches=len(mbs),
                                     traj_tokens=sum(len(t) for t in trajs),
@@ -481,6 +528,7 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
                          copy_ms=statistics.median(x["copy_ms"] for x in st),
                          fwd_ms=statistics.median(x["fwd_ms"] for x in st), bwd_ms=statistics.median(x["bwd_ms"] for x in st),
                          grad_ms=statistics.median(x["grad_ms"] for x in st),
+                         issue_ms=statistics.median(x["issue_ms"] for x in st),
                          microbatches=statistics.mean(x["microbatches"] for x in st),      # per step
                          compact_tokens=sum(x["compact_tokens"] for x in st) // len(st),
                          pad_tokens=sum(x["pad_tokens"] for x in st) // len(st),
@@ -492,6 +540,15 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
         for side in steps:
             profile_step(model, microbatches(trajs, side, args, cm, device), norm_of(trajs), clock, os.path.join(
                 args.out, f"profile_{model_name}_{wl.replace(':', '')}_{'rc' if recompute else 'norc'}_{side}.txt"))
+    if args.sync_audit:       # one more step per side on the last batch, planning and packing included
+        trajs = batches[timed[-1]]
+        a = argparse.Namespace(**{**vars(args), "seed": timed[-1]})
+        for side in steps:
+            row[side]["sync_audit"] = sync_sites(lambda: train_step(
+                model, microbatches(trajs, side, a, cm, device), norm_of(trajs), clock))
+            top = list(row[side]["sync_audit"]["sites"].items())[:3]
+            log(f"{model_name} {wl} {side}: {row[side]['sync_audit']['count']} host syncs in a step; "
+                + "; ".join(f"{k} x{n}" for k, n in top))
     o = opt_ms(model, clock)
     for side in steps:
         row[side]["opt_ms"] = o
@@ -727,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(step; the protocol of rows before 2026-12-05), or time both (both: the row keeps the cache, "
                     "its empty_cache_step holds the same batches with the cache emptied)")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per side and row")
+    ap.add_argument("--sync-audit", action="store_true", help="after the timed steps, one more step per side "
+                    "under torch.cuda.set_sync_debug_mode('warn'): its host-device syncs by call site (CUDA)")
     ap.add_argument("--no-rerun", dest="rerun", action="store_false", help="skip the baseline rerun")
     ap.add_argument("--seed", type=int, default=1)
     add_save_fla_configs_arg(ap)
@@ -736,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_steps = 2 if args.same_batch else 5
     if args.max_steps < 1 or args.warmup_batches < 0:
         ap.error("--max-steps must be >= 1 and --warmup-batches >= 0")
+    if args.sync_audit and (args.device != "cuda" or args.same_batch):
+        ap.error("--sync-audit needs --device cuda and the fresh-batch rows (CUDA reports the syncs)")
     if args.watchdog:
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
     os.makedirs(args.out, exist_ok=True)

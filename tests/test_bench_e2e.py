@@ -40,6 +40,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
         assert b[0]["traj_tokens"] != b[1]["traj_tokens"]          # different batches
         for x in b + h:
             assert x["wall_ms"] >= x["host_ms"] + x["grad_ms"] > 0 and x["plan_ms"] >= 0 and x["pack_ms"] > 0
+            assert x["host_ms"] < x["issue_ms"] <= x["wall_ms"]     # the host issued after it packed, before the sync
         for side in ("baseline", "harts"):
             w = r[side]["wall_ms"]
             assert w["min"] <= w["median"] <= w["max"]
@@ -129,3 +130,38 @@ def test_bench_e2e_measures_the_attention_kernel_share(tmp_path, monkeypatch):
     head = next(line for line in md.splitlines() if line.startswith("| model |")).split("|")
     row_line = next(line for line in md.splitlines() if line.startswith("| dense |")).split("|")
     assert row_line[head.index(" lp diff flex-b max ")].strip() not in ("", "-")
+
+
+def test_sync_sites_groups_syncs_by_the_calling_frame_outside_torch():
+    """The aggregation of --sync-audit (CUDA raises the warnings on the GPU; here they are raised directly):
+    only synchronisation warnings count, each at the frame that asked for it."""
+    import warnings
+    sys.path.insert(0, ROOT)
+    from scripts.bench_e2e import sync_sites
+
+    def layer():
+        warnings.warn("called a synchronizing CUDA operation")       # line A
+
+    def step():
+        for _ in range(3):
+            layer()
+        warnings.warn("some other warning")
+        warnings.warn("called a synchronizing CUDA operation")       # line B
+
+    out = sync_sites(step, cuda=False)
+    assert out["count"] == 4
+    (a, na), (b, nb) = out["sites"].items()
+    assert (na, nb) == (3, 1)
+    assert a.startswith("tests/test_bench_e2e.py:") and a.endswith(" layer") and b.endswith(" step")
+    src = open(os.path.join(ROOT, "tests", "test_bench_e2e.py")).read().splitlines()
+    assert "line A" in src[int(a.split(":")[1].split()[0]) - 1] and "line B" in src[int(b.split(":")[1].split()[0]) - 1]
+    with warnings.catch_warnings(record=True) as caught:     # the caller's warning filters are restored
+        warnings.simplefilter("always")
+        warnings.warn("after")
+    assert len(caught) == 1
+
+
+def test_sync_audit_needs_cuda(tmp_path):
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_e2e.py"), "--device", "cpu", "--tiny",
+                          "--sync-audit", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "--sync-audit needs --device cuda" in res.stderr.strip().splitlines()[-1]
