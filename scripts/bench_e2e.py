@@ -634,12 +634,13 @@ def paired_speedups(row: dict) -> tuple[dict, float]:
 
 def table_fresh(rows: list[dict]) -> list[str]:
     """Rows measured on a new global batch every step: step wall time (plan + pack + copies +
-    forward/backward) median [min-max] per side, its host part, the forward/backward part."""
+    forward/backward) median [min-max] per side, its host part, HARTS's time until its last kernel
+    was issued, the forward/backward part."""
     rows = [r for r in rows if r.get("fresh_batches")]
     if not rows:
         return []
     head = ("| model | workload | recompute | steps | traj tokens/step | compression | base step ms med [min-max] "
-            "| harts step ms med [min-max] | base host ms | harts host ms | speedup [range] | per-step speedup med "
+            "| harts step ms med [min-max] | base host ms | harts host ms | harts issued ms | speedup [range] | per-step speedup med "
             "[min-max] | total speedup | fwd+bwd speedup | target | base GiB | harts GiB | lp diff h-b max | lp diff rerun max | lp diff flex-b max | allocator cache | met |")
     head += " json |" * any("file" in r for r in rows)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -648,9 +649,10 @@ def table_fresh(rows: list[dict]) -> list[str]:
         w = lambda d: f"{d['median']:.1f} [{d['min']:.1f}-{d['max']:.1f}]"  # noqa: E731
         ps, tot = paired_speedups(r) if "steps" in b and "steps" in h else (None, None)
         rr, fb = (f"{d['max']:.2e}" if d else "-" for d in (r.get("lp_diff_rerun"), r.get("lp_diff_baseline_flex")))
+        issued = f"{h['issue_ms']:.1f}" if "issue_ms" in h else "-"        # rows before 2026-12-06 lack it
         lines.append(f"| {model_label(r)} | {r['workload']} | {'on' if r['recompute'] else 'off'} | {r['steps']} "
                      f"| {r['trajectory_tokens']} | {r['compression']:.2f} | {w(b['wall_ms'])} | {w(h['wall_ms'])} "
-                     f"| {b['host_ms']['median']:.1f} | {h['host_ms']['median']:.1f} "
+                     f"| {b['host_ms']['median']:.1f} | {h['host_ms']['median']:.1f} | {issued} "
                      f"| {r['speedup']:.2f} [{r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}] "
                      + (f"| {ps['median']:.2f} [{ps['min']:.2f}-{ps['max']:.2f}] | {tot:.2f} " if ps else "| - | - ") +
                      f"| {r['speedup_gpu']:.2f} | {r['target']:.2f} | {b['peak_gib']:.1f} | {h['peak_gib']:.1f} "
@@ -708,7 +710,9 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
                   f"{warm}, then each timed step on a new batch (same "
                   "trajectories on both sides). Step ms = wall clock of planning, packing, host-to-device copies, "
                   "per-pack plans / block masks and forward + backward of all microbatches; host ms = the planning, "
-                  "packing and copy part; speedup from the median step times, [range] = min/max ratio over steps. "
+                  "packing and copy part; harts issued ms = from the step's start until the host had issued its "
+                  "last kernel (median; close to the step ms: the host binds; rows before 2026-12-06: -); "
+                  "speedup from the median step times, [range] = min/max ratio over steps. "
                   "Allocator cache: `kept` across steps as in Megatron (`--empty-unused-memory-level 0`), or "
                   "`emptied` before every timed step of each side (rows before 2026-12-05; every step then "
                   "allocates its memory anew); `(emptied: x)` = the same batches timed again that way.",
