@@ -789,7 +789,8 @@ def main(argv: list[str] | None = None) -> int:
                     "its empty_cache_step holds the same batches with the cache emptied)")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per side and row")
     ap.add_argument("--sync-audit", action="store_true", help="after the timed steps, one more step per side "
-                    "under torch.cuda.set_sync_debug_mode('warn'): its host-device syncs by call site (CUDA)")
+                    "under torch.cuda.set_sync_debug_mode('warn'): its host-device syncs by call site (CUDA; "
+                    "the bench's own end-of-step synchronize may be listed too, as bench_e2e.py sync)")
     ap.add_argument("--no-rerun", dest="rerun", action="store_false", help="skip the baseline rerun")
     ap.add_argument("--seed", type=int, default=1)
     add_save_fla_configs_arg(ap)

@@ -280,13 +280,12 @@ def layer_timing(args) -> dict:
     issuing it (before the final synchronisation)."""
     import statistics
     import time
-    import warnings
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_harts.megatron.gpu import build_gpu_hybrid_model, init_single_gpu
     from megatron_harts.moe.dispatch import use_counts_once_dispatcher
-    from scripts.bench_e2e import MODELS
+    from scripts.bench_e2e import MODELS, sync_sites
     init_single_gpu(0)
     pattern, over = MODELS["moe"]
     model = build_gpu_hybrid_model(pattern, 32768, 4096, grouped_experts=args.grouped_experts, **over)
@@ -306,15 +305,8 @@ def layer_timing(args) -> dict:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        audit = sync_sites(step)
         torch.cuda.synchronize()
-        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
         walls, issue = [], []
         for _ in range(args.reps):
             t0 = time.perf_counter()
@@ -323,7 +315,7 @@ def layer_timing(args) -> dict:
             torch.cuda.synchronize()
             walls.append(1e3 * (time.perf_counter() - t0))
             issue.append(1e3 * (t1 - t0))
-        out[backend] = dict(syncs=len(syncs), sync_messages=sorted(set(syncs)), wall_ms=statistics.median(walls),
+        out[backend] = dict(syncs=audit["count"], sync_sites=audit["sites"], wall_ms=statistics.median(walls),
                             host_issue_ms=statistics.median(issue))
     return out
 
