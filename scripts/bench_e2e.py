@@ -294,7 +294,10 @@ def lp_diff(a: dict, b: dict) -> dict:
 
 def opt_ms(model, clock: Clock, reps: int = 3) -> float:
     """Median ms of one AdamW step over all parameters (fused on CUDA; lr 0: weights unchanged)."""
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = list(model.parameters())
+    for p in params:            # a step that failed part way (the sync audit) may have left some without one
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, fused=clock.cuda)
     times = []
     for _ in range(reps + 1):
@@ -544,8 +547,13 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
         trajs = batches[timed[-1]]
         a = argparse.Namespace(**{**vars(args), "seed": timed[-1]})
         for side in steps:
-            row[side]["sync_audit"] = sync_sites(lambda: train_step(
-                model, microbatches(trajs, side, a, cm, device), norm_of(trajs), clock))
+            try:            # never run on a GPU before: its failure must not cost the timed row
+                row[side]["sync_audit"] = sync_sites(lambda: train_step(
+                    model, microbatches(trajs, side, a, cm, device), norm_of(trajs), clock))
+            except Exception as e:
+                row[side]["sync_audit_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log(f"{model_name} {wl} {side}: sync audit failed: {row[side]['sync_audit_error']}")
+                continue
             top = list(row[side]["sync_audit"]["sites"].items())[:3]
             log(f"{model_name} {wl} {side}: {row[side]['sync_audit']['count']} host syncs in a step; "
                 + "; ".join(f"{k} x{n}" for k, n in top))

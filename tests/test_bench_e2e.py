@@ -165,3 +165,41 @@ def test_sync_audit_needs_cuda(tmp_path):
     res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_e2e.py"), "--device", "cpu", "--tiny",
                           "--sync-audit", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "--sync-audit needs --device cuda" in res.stderr.strip().splitlines()[-1]
+
+
+def test_a_failing_sync_audit_keeps_the_timed_row(tmp_path, monkeypatch):
+    """--sync-audit runs after the timed steps; if it raises (it had never run on a GPU when written),
+    the row is still written, with the error in place of the audit, and the other side's audit kept."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "scripts", "bench_e2e.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    error = argparse.ArgumentParser.error      # CPU reports no syncs: let the CUDA-only flag through here
+
+    def allow_sync_audit(self, message):
+        if "--sync-audit" not in message:
+            error(self, message)
+    monkeypatch.setattr(argparse.ArgumentParser, "error", allow_sync_audit)
+    calls = []
+
+    def sync_sites(fn, cuda=True):
+        calls.append(len(calls))
+        fn()
+        if len(calls) == 2:
+            raise RuntimeError("set_sync_debug_mode failed\nsecond line")
+        return {"count": 1, "sites": {"bench_e2e.py:1 sync": 1}}
+    monkeypatch.setattr(bench, "sync_sites", sync_sites)
+    dynamo_disabled = torch._dynamo.config.disable
+    try:
+        assert bench.main(["--device", "cpu", "--tiny", "--models", "dense", "--workloads", "tau", "--recompute",
+                           "off", "--max-steps", "1", "--warmup-batches", "0", "--no-rerun", "--sync-audit",
+                           "--out", str(tmp_path)]) == 0
+    finally:
+        torch._dynamo.config.disable = dynamo_disabled
+    (row,) = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    assert calls == [0, 1] and row["speedup"] > 0
+    first, second = ("baseline", "harts")
+    assert row[first]["sync_audit"]["count"] == 1 and "sync_audit_error" not in row[first]
+    assert row[second]["sync_audit_error"] == "RuntimeError: set_sync_debug_mode failed" and "sync_audit" not in row[second]
