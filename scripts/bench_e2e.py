@@ -314,6 +314,16 @@ def peak_gib(device) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
 
+def alloc_counts(device) -> dict:
+    """The CUDA caching allocator's running counts (host-side, no sync): ``alloc_retries`` (allocations
+    that failed, freed the cached blocks and retried: a synchronising flush) and ``device_allocs`` (new
+    segments asked of the driver); a step's delta tells whether it mapped memory anew. ``{}`` on CPU."""
+    if device.type != "cuda":
+        return {}
+    st = torch.cuda.memory_stats(device)
+    return dict(alloc_retries=st.get("num_alloc_retries", 0), device_allocs=st.get("num_device_alloc", 0))
+
+
 def reset_peak(device, empty_cache: bool = True):
     """Restart the peak-memory count (``max_memory_allocated``: live tensors, not the cache); with
     ``empty_cache`` also hand the allocator's cached blocks back to the driver first."""
@@ -445,7 +455,8 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
     """The timed global-batch steps of a fresh-batch row: for each seed of ``timed``, both sides plan,
     pack, copy and run forward + backward on that batch (the side that goes first alternates).
     ``empty_cache``: return the allocator's cached blocks to the driver before each side's step (every
-    step then allocates its activations anew). A step's ``issue_ms``: from its start until the host had
+    step then allocates its activations anew). Each step records the allocator's ``alloc_retries`` and
+    ``device_allocs`` during it (CUDA, :func:`alloc_counts`). A step's ``issue_ms``: from its start until the host had
     issued its last kernel (close to ``wall_ms``: the host binds; well below: the GPU's queue was ahead).
     Returns (per-side lists of step dicts with times in ms,
     the first step's log-probs per side, peak GiB per side)."""
@@ -459,10 +470,12 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
             reset_peak(device, empty_cache=empty_cache)
             times: dict = {}
             clock.sync()
+            alloc0 = alloc_counts(device)
             t0 = time.perf_counter()
             mbs = microbatches(trajs, side, a, cm, device, times=times)
             fm, bm, lp = train_step(model, mbs, norm, clock, keep_logprobs=k == 0, times=times)
             wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
+            allocs = {k: v - alloc0[k] for k, v in alloc_counts(device).items()}
             peak[side] = max(peak[side], peak_gib(device))
             if k == 0:
                 lps[side] = lp
@@ -472,7 +485,8 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
                                     pack_ms=times["pack"], copy_ms=times["copy"], microbatches=len(mbs),
                                     traj_tokens=sum(len(t) for t in trajs),
                                     compact_tokens=sum(m["compact"] for m in mbs),
-                                    pad_tokens=sum(m["pad"] for m in mbs), rounds=sum(m["rounds"] for m in mbs)))
+                                    pad_tokens=sum(m["pad"] for m in mbs), rounds=sum(m["rounds"] for m in mbs),
+                                    **allocs))
             del mbs
         log(f"{label} step {k + 1}/{len(timed)}{' (cache emptied per step)' if empty_cache else ''}: " + ", ".join(
             f"{s} {steps[s][-1]['wall_ms']:.0f} ms (host {steps[s][-1]['host_ms']:.0f})" for s in steps))
@@ -691,6 +705,12 @@ def command_line(argv: list[str]) -> str:
     return " ".join(["scripts/bench_e2e.py"] + out)
 
 
+def gpu_word(device: str) -> str:
+    """The model word of a device name: ``NVIDIA H100 80GB HBM3`` -> ``H100``, ``NVIDIA H200`` -> ``H200``."""
+    words = [w for w in device.split() if w.upper() != "NVIDIA"]
+    return words[0] if words else device
+
+
 def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict] = ()) -> None:
     """``e2e.md`` (table) + ``e2e.png`` (speedup vs compression, ideal and 0.9x lines)."""
     import matplotlib
@@ -698,7 +718,8 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
     import matplotlib.pyplot as plt
 
     m = next((x for x in metas if x.get("fresh_batches")), metas[0] if metas else {})
-    lines = ["# End-to-end: HARTS vs trajectory-wise training step (H200)", "",
+    gpus = sorted({gpu_word(x.get("device", "?")) for x in metas}) or ["?"]   # one table per machine kind
+    lines = [f"# End-to-end: HARTS vs trajectory-wise training step ({' and '.join(gpus)})", "",
              f"Machine: {m.get('device', '?')}; torch {m.get('torch', '?')}; bf16; chunk {m.get('chunk_size')}; "
              f"median of {m.get('max_steps')} steps after warm-up. Times are forward + backward over all "
              "microbatches of the global batch (gradient, optimizer excluded; `w/ opt` adds one AdamW step to "
