@@ -151,3 +151,22 @@ def test_jsonl_errors_name_line_and_field(tmp_path):
     path.write_text('[1, 2]\n7\n')
     with pytest.raises(TreeValidationError, match=r":1: expected a JSON object, got list"):
         read_jsonl(path)
+
+
+def test_pack_to_device_carries_the_host_values_the_ops_read():
+    """``TreePack.to`` from the host caches the token maximum, the trajectory lengths and ``is_chain``
+    first: on the GPU, the log-probs read them after the whole forward was issued, and a device read
+    there waited for the GPU (H100 sync audit, 2026-12-06). The meta device has no data: any read
+    of it raises, so these values must come from the host cache."""
+    import torch
+    from megatron_harts.ops import tree_token_logprobs
+
+    p = pack([RolloutTree.from_trajectories([[1, 2, 3, 4], [1, 2, 5], [7, 8]])], chunk_size=4)
+    m = p.to("meta")
+    with pytest.raises(Exception):
+        int(m.tokens.max())                    # a device read fails on meta
+    assert m.max_token == 8 and m.trajectory_lengths_host == [4, 3, 2] and m.is_chain is False
+    chains = pack([RolloutTree.from_trajectories([[1, 2], [3]], merge_prefixes=False)]).to("meta")
+    assert chains.is_chain is True
+    logits = torch.randn(p.num_tokens, 16)     # the host pack's log-probs use the same cached values
+    assert [x.shape[0] for x in tree_token_logprobs(logits, p)] == [3, 2, 1]

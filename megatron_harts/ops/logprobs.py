@@ -29,7 +29,7 @@ def node_logprobs(logits: torch.Tensor, pack: TreePack, tp_group=None) -> torch.
     src = pack.parent.clamp(min=0)
     label = pack.tokens
     if tp_group is None:
-        top = pack.cached(("host", "max_token"), lambda: int(label.max()))     # one host read per pack
+        top = pack.max_token     # a host int (taken before the pack went to the device)
         if top >= logits.shape[1]:
             raise ValueError(f"token id {top} outside the logits' vocabulary of {logits.shape[1]}")
         lse = torch.logsumexp(logits, dim=-1)
@@ -49,7 +49,7 @@ def node_logprobs(logits: torch.Tensor, pack: TreePack, tp_group=None) -> torch.
 def restore(per_token: torch.Tensor, pack: TreePack, drop_first: bool = True) -> list[torch.Tensor]:
     """Scatter a compact ``[T, ...]`` tensor back to per-trajectory tensors ``[L_i (- 1), ...]``."""
     flat = per_token.index_select(0, pack.traj_index)
-    lengths = pack.cached(("host", "trajectory_lengths"), lambda: pack.trajectory_lengths.tolist())
+    lengths = pack.trajectory_lengths_host
     parts = torch.split(flat, lengths)
     return [p[1:] for p in parts] if drop_first else list(parts)
 

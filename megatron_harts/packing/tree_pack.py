@@ -61,6 +61,17 @@ class TreePack:
         return list(torch.split(self.traj_index, self.trajectory_lengths.tolist()))
 
     @property
+    def max_token(self) -> int:
+        """The largest token id (a host int; cached under a ``"host"`` key, so a pack moved by
+        :meth:`to` from the host reads nothing back from the device)."""
+        return self.cached(("host", "max_token"), lambda: int(self.tokens.max()) if self.num_tokens else -1)
+
+    @property
+    def trajectory_lengths_host(self) -> list[int]:
+        """``trajectory_lengths`` as a host list (cached like :attr:`max_token`)."""
+        return self.cached(("host", "trajectory_lengths"), lambda: self.trajectory_lengths.tolist())
+
+    @property
     def device(self) -> torch.device:
         return self.tokens.device
 
@@ -89,7 +100,7 @@ class TreePack:
         def build():
             idx = torch.arange(self.num_tokens, device=self.parent.device)
             return bool(((self.parent == idx - 1) | (self.parent < 0)).all())
-        return self.cached(("is_chain",), build)
+        return self.cached(("host", "is_chain"), build)
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """Return the plan stored under ``key``, building it once with ``build()``."""
@@ -98,10 +109,15 @@ class TreePack:
         return self._cache[key]
 
     def to(self, device: torch.device | str) -> "TreePack":
-        """A copy on ``device``; device-independent cached plans (numpy) are shared."""
+        """A copy on ``device``; device-independent cached plans (numpy, host values: ``"host"`` keys)
+        are shared. Moving from the host first caches :attr:`max_token`, :attr:`trajectory_lengths_host`
+        and :attr:`is_chain`, whose reads on the device would wait for the GPU (in the log-probs, after
+        the whole forward had been issued)."""
         device = torch.device(device)
         if device == self.device:
             return self
+        if self.device.type == "cpu":   # host values the ops read, taken here instead of from the device mid-step
+            self.max_token, self.trajectory_lengths_host, self.is_chain   # noqa: B018 (cached)
         moved = {k: getattr(self, k).to(device) for k in
                  ("tokens", "position_ids", "parent", "subtree_end", "multiplicity", "traj_index",
                   "traj_cu_seqlens", "tree_cu")}
