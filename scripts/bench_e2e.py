@@ -475,7 +475,7 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
             mbs = microbatches(trajs, side, a, cm, device, times=times)
             fm, bm, lp = train_step(model, mbs, norm, clock, keep_logprobs=k == 0, times=times)
             wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
-            allocs = {k: v - alloc0[k] for k, v in alloc_counts(device).items()}
+            allocs = {name: n - alloc0[name] for name, n in alloc_counts(device).items()}
             peak[side] = max(peak[side], peak_gib(device))
             if k == 0:
                 lps[side] = lp
@@ -561,7 +561,7 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
         trajs = batches[timed[-1]]
         a = argparse.Namespace(**{**vars(args), "seed": timed[-1]})
         for side in steps:
-            try:            # never run on a GPU before: its failure must not cost the timed row
+            try:            # an audit that fails must not cost the timed row
                 row[side]["sync_audit"] = sync_sites(lambda: train_step(
                     model, microbatches(trajs, side, a, cm, device), norm_of(trajs), clock))
             except Exception as e:

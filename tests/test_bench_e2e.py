@@ -168,7 +168,7 @@ def test_sync_audit_needs_cuda(tmp_path):
 
 
 def test_a_failing_sync_audit_keeps_the_timed_row(tmp_path, monkeypatch):
-    """--sync-audit runs after the timed steps; if it raises (it had never run on a GPU when written),
+    """--sync-audit runs after the timed steps; if it raises (first run on a GPU on 2026-12-06),
     the row is still written, with the error in place of the audit, and the other side's audit kept."""
     import argparse
     import importlib.util
