@@ -58,7 +58,7 @@ class TreePack:
     @property
     def index_of_trajectory(self) -> list[torch.Tensor]:
         """Per trajectory, the LongTensor of its compact token indices (views of ``traj_index``)."""
-        return list(torch.split(self.traj_index, self.trajectory_lengths.tolist()))
+        return list(torch.split(self.traj_index, self.trajectory_lengths_host))
 
     @property
     def max_token(self) -> int:
