@@ -5,7 +5,8 @@
 # (ARGS: extra arguments of that step, split on spaces)
 # Step STEP writes into $OUT/STEP/ (log in STEP.log); a step over its budget is stopped by its
 # --watchdog (it dumps its stacks; partial JSON stays) or else by `timeout`, and the next step runs.
-# Everything ends up in $OUT/results.tgz, fla/Triton autotuning archives included; the step folders
+# Everything ends up in $OUT/results.tgz, fla/Triton autotuning archives included (torch.compile's
+# inductor cache, from the last step, in $OUT/inductor_cache.tgz beside it); the step folders
 # are then removed (KEEP_STEP_FILES=1 keeps them): the device returns at most 8 files per call, and
 # on 2026-12-03 a second plan's folder in the same call was lost that way. Give each plan of a call
 # its own OUT (OUT=$OUT/a ... ; OUT=$OUT/b ...): each leaves plan.log and results.tgz.
@@ -43,8 +44,11 @@ for spec in "$@"; do
     > "$OUT/$dir/$step.log" 2>&1
   echo "[gpu_plan] $dir rc=$? in $(( $(date +%s) - start )) s: $step ${args:-}" | tee -a "$OUT/plan.log"
   tail -n 12 "$OUT/$dir/$step.log"
+  # the inductor cache grows over the steps (one directory per machine): the last step's archive
+  # holds every entry; kept beside results.tgz, not in it (each file back is at most 16 MiB)
+  [ -f "$OUT/$dir/inductor_cache.tgz" ] && mv -f "$OUT/$dir/inductor_cache.tgz" "$OUT/inductor_cache.tgz"
 done
-(cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*) || exit 1
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude inductor_cache.tgz ./*) || exit 1
 if [ "${KEEP_STEP_FILES:-0}" != 1 ]; then
   for dir in "${dirs[@]}"; do rm -rf "${OUT:?}/$dir"; done    # packed above
 fi

@@ -18,7 +18,8 @@
 # (unpack into configs/fla/<GPU> and commit, so the next fresh machine skips autotuning), and
 # Triton's own autotuning results (plain ``triton.autotune`` kernels such as simple GLA's, which
 # fla's config files do not cover) into $OUT/triton_autotune.tgz (commit as configs/triton/<GPU>.tgz;
-# used only while the Triton, fla and driver versions match, since Triton's cache key hashes them).
+# used only while the Triton, fla and driver versions match, since Triton's cache key hashes them);
+# torch.compile's inductor cache into $OUT/inductor_cache.tgz (commit as configs/inductor/<GPU>.tgz).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -27,7 +28,8 @@ mkdir -p "$OUT"
 # the path a fresh machine's steps die at `import megatron` (2026-12-04, first call)
 [ -d /tmp/harts_site ] && export PYTHONPATH=/tmp/harts_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 # the model word of the device name ("NVIDIA H200" -> H200, "NVIDIA H100 80GB HBM3" -> H100)
-GPU=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(); m = re.search(r'\b[A-Z]+\d{2,4}[A-Z]?\b', n); print(m.group(0) if m else n.split()[-1])")
+GPU=${HARTS_GPU:-}     # set only by the CPU test of these scripts
+[ -n "$GPU" ] || GPU=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(); m = re.search(r'\b[A-Z]+\d{2,4}[A-Z]?\b', n); print(m.group(0) if m else n.split()[-1])")
 CFG=/tmp/fla_configs
 mkdir -p "$CFG"
 [ -d "configs/fla/$GPU" ] && cp -n "configs/fla/$GPU"/*.json "$CFG"/ 2>/dev/null || true
@@ -41,6 +43,14 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f "configs/triton/$GPU.tgz" ] && tar xzf "configs/triton/$GPU.tgz" -C "$TRITON_CACHE_DIR" --skip-old-files || true
+# torch.compile's caches (FlexAttention's kernels, inductor's FX graph and AOT-autograd entries): on a
+# bare H100 (2026-12-06) the first no-recomputation HARTS step spent 285 s compiling. Restored from
+# configs/inductor/$GPU.tgz when committed; packed after the step into $OUT/inductor_cache.tgz when
+# under 15 MiB (the device returns files of at most 16 MiB; commit it as configs/inductor/<GPU>.tgz).
+# Entries are keyed by torch/Triton versions, the device and the graph, so a stale one is just a miss.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_cache}
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+[ -f "configs/inductor/$GPU.tgz" ] && tar xzf "configs/inductor/$GPU.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" --skip-old-files || true
 step=${1:?STEP}; shift
 save=(--save-fla-configs "$CFG")
 rc=0
@@ -87,4 +97,12 @@ case "$step" in
 esac || rc=$?
 tar czf "$OUT/fla_configs.tgz" -C "$CFG" . 2>/dev/null || true
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/triton_autotune.tgz" -T -) 2>/dev/null || true
+if [ -n "$(ls -A "$TORCHINDUCTOR_CACHE_DIR" 2>/dev/null)" ]; then
+  tar czf "$OUT/inductor_cache.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null || true
+  size=$(stat -c %s "$OUT/inductor_cache.tgz" 2>/dev/null || echo 0)
+  if [ "$size" -gt $((15 * 1024 * 1024)) ]; then
+    echo "[gpu_run] inductor cache is $((size / 1048576)) MiB (> 15): not packed" >&2
+    rm -f "$OUT/inductor_cache.tgz"
+  fi
+fi
 exit $rc

@@ -13,7 +13,7 @@ import pytest
 from megatron_harts.rollout.belayer.env import CheckpointedEnv, CheckpointPolicy, PrefixCut, suspect
 from megatron_harts.rollout.belayer.faults import SandboxFaultInjector, lose_sandbox
 from megatron_harts.rollout.envs import make_env
-from megatron_harts.rollout.sandbox import SandboxLimits
+from megatron_harts.rollout.sandbox import SandboxError, SandboxLimits
 from megatron_harts.rollout.types import StepResult
 
 pytestmark = pytest.mark.timeout(120)
@@ -225,3 +225,36 @@ def test_suspect_rules():
     assert suspect(StepResult("<obs>x</obs>", False, info={"tool": "run", "exit": 1, "timed_out": True})) == "hang"
     assert suspect(StepResult("<obs>a\ufffdb</obs>", False, info={"tool": "run", "exit": 0})) == "garbage"
     assert suspect(StepResult("<obs>exit 137</obs>", False, info={"tool": "run", "exit": 137})) is None
+
+
+def _scripted(env, outcomes):
+    """Replace ``env``'s tool runs by ``outcomes``: ``(why, observation)`` per run, in order."""
+    runs = iter(outcomes)
+
+    def _try(action):
+        why, obs = next(runs)
+        return why, StepResult(obs, False, info={"tool": "run", "exit": 0})
+    env._try = _try
+
+
+def test_mixed_fault_kinds_are_retried_and_one_kind_in_a_row_is_the_tools_behaviour():
+    """A kill, a hang and garbage on three runs of one step are independent faults: the step is
+    run again until a clean result comes (accepting the garbage, as before, let an injected fault
+    into a trajectory: CI failure of stop 38). The same kind on max_retries + 1 runs in a row is the
+    tool's own behaviour and accepted; more than max_attempts faulty runs fail the step. Each case
+    is the first step of a fresh environment (a restore goes back to the empty sandbox)."""
+    def first_step(outcomes, action="<call>ls</call>"):
+        env = CheckpointedEnv(_make, policy=CheckpointPolicy(enabled=False), max_retries=2, max_attempts=6)
+        try:
+            _scripted(env, outcomes)
+            return env.step(action).observation, [f["why"] for f in env.stats["faults"]]
+        finally:
+            env.close()
+
+    assert first_step([("killed", "<obs>k</obs>"), ("hang", "<obs>h</obs>"), ("garbage", "<obs>\ufffd1</obs>"),
+                       (None, "<obs>clean</obs>")]) == ("<obs>clean</obs>", ["killed", "hang", "garbage"])
+    obs, whys = first_step([("killed", "<obs>k</obs>")] + [("garbage", f"<obs>\ufffd{i}</obs>") for i in range(3)],
+                           "<call>head -c 9 /dev/urandom</call>")
+    assert obs == "<obs>\ufffd2</obs>" and whys == ["killed"] + ["garbage"] * 3
+    with pytest.raises(SandboxError, match="failed 6 times"):
+        first_step([("killed", "<obs>k</obs>"), ("hang", "<obs>h</obs>")] * 3)

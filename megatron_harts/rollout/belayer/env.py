@@ -26,7 +26,9 @@ attributes) and implements :class:`~megatron_harts.rollout.types.Environment`:
   (U+FFFD, NUL, control characters), a sandbox whose mount or directory is gone
   (``SandboxError``)): the environment is restored to the turn before the action and the action
   re-run; a suspect result that reproduces (the same observation for the same action at the same turn,
-  also across a context cut) is the tool's real behaviour and accepted.
+  also across a context cut), or the same kind of suspicion on ``max_retries + 1`` runs in a row, is
+  the tool's real behaviour and accepted; suspicions of mixed kinds are independent faults and the
+  step is re-run (at most ``max_attempts`` runs).
   When the restore reaches an earlier turn than the action needs (checkpoint recovery, or a replay
   mismatch) ``step`` raises :class:`PrefixCut` with that turn: the caller cuts the trajectory back
   (:class:`BelayerAgentLoop`) and generation continues from there (prefix consistency).
@@ -134,7 +136,10 @@ def suspect(res: StepResult, action: str = "") -> str | None:
 class CheckpointedEnv:
     """An :class:`~megatron_harts.rollout.types.Environment` with checkpoints, restore and fault
     recovery (see the module doc). ``make()``: a fresh inner environment (a ``SandboxEnv``);
-    ``recovery``: ``"replay"`` or ``"checkpoint"``; ``max_retries``: re-runs of a faulty step;
+    ``recovery``: ``"replay"`` or ``"checkpoint"``; ``max_retries``: re-runs of a step whose
+    result is suspect in the same way each time, after which that result is accepted as the tool's
+    behaviour; ``max_attempts``: runs of a step whose suspect results differ in kind (independent
+    faults) before it fails with ``SandboxError`` (default ``4 * (max_retries + 1)``);
     ``root``: where checkpoint copies go (default: the temp dir); ``break_recovery``: only for
     proving the checker (``"no_cut"``: restore without telling the caller, so the context keeps
     turns the environment no longer has)."""
@@ -142,12 +147,14 @@ class CheckpointedEnv:
     _ids = itertools.count()
 
     def __init__(self, make: Callable[[], Any], *, policy: CheckpointPolicy | None = None,
-                 recovery: str = "replay", max_retries: int = 2, root: str | None = None,
+                 recovery: str = "replay", max_retries: int = 2, max_attempts: int | None = None,
+                 root: str | None = None,
                  break_recovery: str | None = None, _inner: Any = None, _log: tuple | None = None):
         if recovery not in ("replay", "checkpoint"):
             raise ValueError(f"recovery must be 'replay' or 'checkpoint', got {recovery!r}")
         self._make, self.policy = make, policy or CheckpointPolicy()
         self.recovery, self.max_retries, self.break_recovery = recovery, max_retries, break_recovery
+        self.max_attempts = max(max_attempts if max_attempts is not None else 4 * (max_retries + 1), max_retries + 1)
         self.env = _inner if _inner is not None else make()
         self.task_id = self.env.task_id
         self._dir = Path(tempfile.mkdtemp(prefix=f"harts-ckpt-{os.getpid()}-", dir=root))
@@ -181,16 +188,22 @@ class CheckpointedEnv:
         turn = len(self.actions)                            # this action is turn + 1
         res = None
         inner_s = 0.0
-        for attempt in range(self.max_retries + 1):
+        whys: list[str] = []
+        for attempt in range(self.max_attempts):
             t_try = time.monotonic()
             why, res = self._try(action)
             inner_s += time.monotonic() - t_try
             if why is None:
                 break
+            whys.append(why)
             self.stats["faults"].append({"turn": turn + 1, "why": why, "attempt": attempt})
-            if res is not None and attempt == self.max_retries:
-                log.info("%s: turn %d: %s on every attempt: accepted as the tool's behaviour", self.task_id,
-                         turn + 1, why)
+            last = whys[-(self.max_retries + 1):]
+            if res is not None and len(last) == self.max_retries + 1 and len(set(last)) == 1:
+                # the same kind of suspect result on max_retries + 1 attempts in a row (e.g. a tool
+                # that prints random bytes, or one that always times out): the tool's behaviour.
+                # Mixed kinds (a kill, then a hang, then garbage) are independent faults: retried.
+                log.info("%s: turn %d: %s on %d attempts in a row: accepted as the tool's behaviour",
+                         self.task_id, turn + 1, why, len(last))
                 break
             log.warning("%s: turn %d: %s; restoring to turn %d", self.task_id, turn + 1, why, turn)
             reached = self.restore(turn, cause=why)
@@ -198,7 +211,7 @@ class CheckpointedEnv:
                 raise PrefixCut(reached, why)
             res = None
         if res is None:
-            raise SandboxError(f"{self.task_id}: turn {turn + 1} failed {self.max_retries + 1} times")
+            raise SandboxError(f"{self.task_id}: turn {turn + 1} failed {len(whys)} times ({', '.join(whys)})")
         self.actions.append(action)
         self.results.append(res)
         self._after_step(res)
@@ -229,6 +242,7 @@ class CheckpointedEnv:
         self._wait_checkpoint()
         inner = self.env.fork()
         child = CheckpointedEnv(self._make, policy=self.policy, recovery=self.recovery, max_retries=self.max_retries,
+                                max_attempts=self.max_attempts,
                                 root=self._root, break_recovery=self.break_recovery, _inner=inner,
                                 _log=(self.actions, self.results))
         child._keep, child._base_state = self._keep, self._base_state
