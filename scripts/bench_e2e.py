@@ -451,44 +451,66 @@ def batch_seeds(args) -> tuple[list[int], list[int]]:
 
 
 def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], args, cm, device, clock: "Clock",
-                norm_of, empty_cache: bool) -> tuple[dict, dict, dict]:
+                norm_of, empty_cache: bool, side_order: str = "alternate",
+                rewarm_seed: int | None = None) -> tuple[dict, dict, dict]:
     """The timed global-batch steps of a fresh-batch row: for each seed of ``timed``, both sides plan,
-    pack, copy and run forward + backward on that batch (the side that goes first alternates).
-    ``empty_cache``: return the allocator's cached blocks to the driver before each side's step (every
-    step then allocates its activations anew). Each step records the allocator's ``alloc_retries`` and
-    ``device_allocs`` during it (CUDA, :func:`alloc_counts`). A step's ``issue_ms``: from its start until the host had
-    issued its last kernel (close to ``wall_ms``: the host binds; well below: the GPU's queue was ahead).
+    pack, copy and run forward + backward on that batch. ``side_order``: ``alternate`` (step by step,
+    the side that goes first alternates; both sides' cached blocks share the allocator) or
+    ``blocked`` (all of the baseline's steps, then all of HARTS's, as two training jobs would run:
+    before each side the cache is emptied and one untimed step on the ``rewarm_seed`` batch refills
+    it with that side's blocks alone). ``empty_cache``: return the allocator's cached blocks to the
+    driver before each side's step (every step then allocates its activations anew). Each step records
+    the allocator's ``alloc_retries`` and ``device_allocs`` during it (CUDA, :func:`alloc_counts`). A
+    step's ``issue_ms``: from its start until the host had issued its last kernel (close to ``wall_ms``:
+    the host binds; well below: the GPU's queue was ahead).
     Returns (per-side lists of step dicts with times in ms,
     the first step's log-probs per side, peak GiB per side)."""
+    if side_order not in ("alternate", "blocked"):
+        raise ValueError(f"side_order must be 'alternate' or 'blocked', got {side_order!r}")
     steps = {s: [] for s in ("baseline", "harts")}
     lps, peak = {}, {s: 0.0 for s in steps}
-    for k, seed in enumerate(timed):
+
+    def one(side: str, k: int, seed: int) -> None:
         trajs = batches[seed]
         a = argparse.Namespace(**{**vars(args), "seed": seed})
-        norm = norm_of(trajs)
+        reset_peak(device, empty_cache=empty_cache)
+        times: dict = {}
+        clock.sync()
+        alloc0 = alloc_counts(device)
+        t0 = time.perf_counter()
+        mbs = microbatches(trajs, side, a, cm, device, times=times)
+        fm, bm, lp = train_step(model, mbs, norm_of(trajs), clock, keep_logprobs=k == 0, times=times)
+        wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
+        allocs = {name: n - alloc0[name] for name, n in alloc_counts(device).items()}
+        peak[side] = max(peak[side], peak_gib(device))
+        if k == 0:
+            lps[side] = lp
+        steps[side].append(dict(seed=seed, wall_ms=wall, fwd_ms=fm, bwd_ms=bm, grad_ms=fm + bm,
+                                issue_ms=1e3 * (times["issued"] - t0),
+                                host_ms=times["plan"] + times["pack"] + times["copy"], plan_ms=times["plan"],
+                                pack_ms=times["pack"], copy_ms=times["copy"], microbatches=len(mbs),
+                                traj_tokens=sum(len(t) for t in trajs),
+                                compact_tokens=sum(m["compact"] for m in mbs),
+                                pad_tokens=sum(m["pad"] for m in mbs), rounds=sum(m["rounds"] for m in mbs),
+                                **allocs))
+        del mbs
+
+    note = " (cache emptied per step)" if empty_cache else ""
+    if side_order == "blocked":
+        seed0 = timed[0] if rewarm_seed is None else rewarm_seed
+        for side in ("baseline", "harts"):
+            reset_peak(device, empty_cache=True)    # the other side's blocks go, as in a job of this side alone
+            a = argparse.Namespace(**{**vars(args), "seed": seed0})
+            train_step(model, microbatches(batches[seed0], side, a, cm, device), norm_of(batches[seed0]), clock)
+            for k, seed in enumerate(timed):
+                one(side, k, seed)
+                log(f"{label} {side} step {k + 1}/{len(timed)}{note}: {steps[side][-1]['wall_ms']:.0f} ms "
+                    f"(host {steps[side][-1]['host_ms']:.0f})")
+        return steps, lps, peak
+    for k, seed in enumerate(timed):
         for side in (("baseline", "harts") if k % 2 == 0 else ("harts", "baseline")):
-            reset_peak(device, empty_cache=empty_cache)
-            times: dict = {}
-            clock.sync()
-            alloc0 = alloc_counts(device)
-            t0 = time.perf_counter()
-            mbs = microbatches(trajs, side, a, cm, device, times=times)
-            fm, bm, lp = train_step(model, mbs, norm, clock, keep_logprobs=k == 0, times=times)
-            wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
-            allocs = {name: n - alloc0[name] for name, n in alloc_counts(device).items()}
-            peak[side] = max(peak[side], peak_gib(device))
-            if k == 0:
-                lps[side] = lp
-            steps[side].append(dict(seed=seed, wall_ms=wall, fwd_ms=fm, bwd_ms=bm, grad_ms=fm + bm,
-                                    issue_ms=1e3 * (times["issued"] - t0),
-                                    host_ms=times["plan"] + times["pack"] + times["copy"], plan_ms=times["plan"],
-                                    pack_ms=times["pack"], copy_ms=times["copy"], microbatches=len(mbs),
-                                    traj_tokens=sum(len(t) for t in trajs),
-                                    compact_tokens=sum(m["compact"] for m in mbs),
-                                    pad_tokens=sum(m["pad"] for m in mbs), rounds=sum(m["rounds"] for m in mbs),
-                                    **allocs))
-            del mbs
-        log(f"{label} step {k + 1}/{len(timed)}{' (cache emptied per step)' if empty_cache else ''}: " + ", ".join(
+            one(side, k, seed)
+        log(f"{label} step {k + 1}/{len(timed)}{note}: " + ", ".join(
             f"{s} {steps[s][-1]['wall_ms']:.0f} ms (host {steps[s][-1]['host_ms']:.0f})" for s in steps))
     return steps, lps, peak
 
@@ -532,7 +554,8 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
     # Megatron keeps the allocator's cache across iterations (--empty-unused-memory-level 0, its default);
     # rows before 2026-12-05 emptied it before every timed step of each side (--empty-cache step)
     steps, lps, peak = timed_steps(model, f"{model_name} {wl}", batches, timed, args, cm, device, clock, norm_of,
-                                   empty_cache=args.empty_cache == "step")
+                                   empty_cache=args.empty_cache == "step", side_order=args.side_order,
+                                   rewarm_seed=warm[-1] if warm else None)
     tok = sum(st["traj_tokens"] for st in steps["baseline"])
     row = dict(model=model_name, workload=wl, recompute=recompute, fresh_batches=True, steps=len(timed),
                warmup_batches=len(warm), trajectories=len(batches[timed[0]]), trajectory_tokens=tok // len(timed),
@@ -600,9 +623,10 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
     row["target"] = 0.9 * row["compression"]
     row["meets_target"] = row["speedup"] >= row["target"] and (wl != "swe" or not recompute or row["speedup"] >= 5)
     row["empty_cache"] = args.empty_cache == "step"
+    row["side_order"] = args.side_order
     if args.empty_cache == "both":      # the same timed batches again (planned and packed again), cache emptied per step
         alt, _, _ = timed_steps(model, f"{model_name} {wl}", batches, timed, args, cm, device, clock, norm_of,
-                                empty_cache=True)
+                                empty_cache=True, side_order=args.side_order, rewarm_seed=warm[-1] if warm else None)
         row["empty_cache_step"] = {s: dict(wall_ms=spread([x["wall_ms"] for x in st]),
                                            grad_ms=statistics.median(x["grad_ms"] for x in st), steps=st)
                                    for s, st in alt.items()}
@@ -687,10 +711,12 @@ def table_fresh(rows: list[dict]) -> list[str]:
 def cache_label(r: dict) -> str:
     """Allocator column of a fresh-batch row: ``kept`` (cached blocks reused across steps, as in Megatron)
     or ``emptied`` (before every timed step of each side: rows before 2026-12-05 have no such key), and
-    with ``--empty-cache both`` the speedup of the same batches with the cache emptied."""
+    with ``--empty-cache both`` the speedup of the same batches with the cache emptied; ``, sides
+    blocked`` for ``--side-order blocked`` rows (each side's steps alone, not interleaved)."""
     label = "emptied" if r.get("empty_cache", True) else "kept"
     e = r.get("empty_cache_step")
-    return label + (f" (emptied: {e['speedup']:.2f})" if e else "")
+    blocked = ", sides blocked" if r.get("side_order") == "blocked" else ""
+    return label + blocked + (f" (emptied: {e['speedup']:.2f})" if e else "")
 
 
 def command_line(argv: list[str]) -> str:
@@ -816,6 +842,11 @@ def main(argv: list[str] | None = None) -> int:
                     "(never; its --empty-unused-memory-level 0), empty it before every timed step of each side "
                     "(step; the protocol of rows before 2026-12-05), or time both (both: the row keeps the cache, "
                     "its empty_cache_step holds the same batches with the cache emptied)")
+    ap.add_argument("--side-order", choices=["alternate", "blocked"], default="alternate",
+                    help="fresh-batch rows: the sides' timed steps interleaved step by step, the first side "
+                    "alternating (alternate; one allocator holds both sides' cached blocks: on an 80 GB H100 the "
+                    "no-recomputation rows had single steps of 2-3 s), or all baseline steps, then all HARTS "
+                    "steps, each side after an emptied cache and one untimed step (blocked: as separate jobs)")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per side and row")
     ap.add_argument("--sync-audit", action="store_true", help="after the timed steps, one more step per side "
                     "under torch.cuda.set_sync_debug_mode('warn'): its host-device syncs by call site (CUDA; "

@@ -202,3 +202,45 @@ def test_a_failing_sync_audit_keeps_the_timed_row(tmp_path, monkeypatch):
     assert calls == [0, 1] and row["speedup"] > 0
     assert row["baseline"]["sync_audit"]["count"] == 1 and "sync_audit_error" not in row["baseline"]
     assert row["harts"]["sync_audit_error"] == "RuntimeError: set_sync_debug_mode failed" and "sync_audit" not in row["harts"]
+
+
+def test_blocked_side_order_times_each_side_alone_after_a_rewarm_step(tmp_path, monkeypatch):
+    """--side-order blocked: all baseline steps, then all HARTS steps, each side after an emptied
+    cache and one untimed step on the last warm-up batch (as two separate jobs would run); the
+    default interleaves the sides step by step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "scripts", "bench_e2e.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+    real = bench.microbatches
+
+    def microbatches(trajs, side, a, *rest, **kw):
+        calls.append((side, a.seed))
+        return real(trajs, side, a, *rest, **kw)
+    monkeypatch.setattr(bench, "microbatches", microbatches)
+    dynamo_disabled = torch._dynamo.config.disable
+    rows = {}
+    try:
+        for order in ("blocked", "alternate"):
+            calls.clear()
+            out = tmp_path / order
+            assert bench.main(["--device", "cpu", "--tiny", "--models", "dense", "--workloads", "tau", "--recompute",
+                               "off", "--max-steps", "2", "--warmup-batches", "1", "--no-rerun", "--side-order", order,
+                               "--out", str(out)]) == 0
+            (rows[order],) = json.loads((out / "e2e.json").read_text())["rows"]
+            rows[order]["calls"] = list(calls)
+    finally:
+        torch._dynamo.config.disable = dynamo_disabled
+    warm = 1 + 10_000
+    blocked = [("baseline", warm), ("baseline", 1), ("baseline", 2), ("harts", warm), ("harts", 1), ("harts", 2)]
+    alternate = [("baseline", 1), ("harts", 1), ("harts", 2), ("baseline", 2)]
+
+    def contains(seq, sub):
+        return any(seq[i:i + len(sub)] == sub for i in range(len(seq)))
+    assert contains(rows["blocked"]["calls"], blocked) and not contains(rows["blocked"]["calls"], alternate)
+    assert contains(rows["alternate"]["calls"], alternate) and not contains(rows["alternate"]["calls"], blocked)
+    for order, r in rows.items():
+        assert r["side_order"] == order
+        assert [x["seed"] for x in r["baseline"]["steps"]] == [x["seed"] for x in r["harts"]["steps"]] == [1, 2]
