@@ -9,6 +9,7 @@ loop driving the stubs through the scheduler.
 import json
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -245,6 +246,20 @@ def test_sglang_router_for_real(stubs, policy, tmp_path):
             where = {r.split("#")[0]: {k for k, w in enumerate(stubs) for q in w.rids if q.split("#")[0] ==
                                        r.split("#")[0]} for w in stubs for r in w.rids}
             assert all(len(v) == 1 for v in where.values()), where
+
+
+@pytest.mark.timeout(60)
+def test_router_start_waits_until_every_worker_is_registered(stubs):
+    """sglang-router answers /health before its workers are registered; start() waits for /workers."""
+    from megatron_harts.rollout.engines.launch import EngineError, free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineError, match="not healthy after 8 s"):
+        RouterServer([stubs[0].url, dead], "round_robin", startup_timeout=8).start().stop()
+    with RouterServer([w.url for w in stubs], "round_robin") as router:
+        with urllib.request.urlopen(f"{router.url}/workers", timeout=5) as r:
+            listed = {w["url"] for w in json.loads(r.read())["workers"] if w["is_healthy"]}
+        assert listed == {w.url for w in stubs}
 
 
 class ThreeTurns:

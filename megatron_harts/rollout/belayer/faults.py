@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..engines.launch import proc_descendants
 from ..sandbox import _umount
 from ..tokenizer import END_OBS, OBS, Tokenizer
 
@@ -148,7 +149,13 @@ class SandboxFaultInjector:
             time.sleep(0.0005)
         try:
             if kind == "kill":
-                os.kill(pid, signal.SIGKILL)
+                # the sandbox dies as a whole (an OOM kill of its cgroup): bwrap alone killed after it
+                # forked left the sandboxed command holding stdout, which the runner then read as a hang
+                for p in [pid] + proc_descendants(pid):
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             elif kind == "hang":
                 os.kill(pid, signal.SIGSTOP)
             elif kind == "garbage":

@@ -191,7 +191,7 @@ class _ServerProcess:
                 _LIVE.discard(self)
                 raise EngineError(f"{self.kind} at {self.url} exited with code {rc} during startup "
                                   f"(log {self.log_path}); last lines:\n{_tail(self.log_path)}")
-            if probe.alive(timeout=2.0):
+            if probe.alive(timeout=2.0) and self._ready():
                 break
             if time.monotonic() > deadline:
                 self.stop()
@@ -203,6 +203,10 @@ class _ServerProcess:
         log.info("%s at %s up in %.1f s%s", self.kind, self.url, self.startup_s,
                  f"; watching {sorted(t for t, _ in self.watched.values())}" if self.watched else "")
         return self
+
+    def _ready(self) -> bool:
+        """Beyond ``/health``: whether the server can take work (subclasses; the router's workers)."""
+        return True
 
     def _record_children(self) -> None:
         self.watched = {}

@@ -4,11 +4,17 @@ sglang_router.launch_router --worker-urls ... --policy {cache_aware,round_robin,
 The router needs ``/health``, ``/server_info`` and ``/model_info`` from its workers at startup
 (observed with 0.3.2; the embedded server and SGLang serve all three) and forwards ``/generate``
 bodies (token ids included) to the worker its policy picks. The agent loop then sees one
-:class:`~megatron_harts.rollout.engines.HttpEngine` (the router's URL).
+:class:`~megatron_harts.rollout.engines.HttpEngine` (the router's URL). The router answers ``/health``
+before it has registered its workers (it adds them in the background): :meth:`RouterServer.start` also
+waits until ``GET /workers`` lists every worker healthy (requests sent right away all went to the
+first ones: [1, 1, 4] of 6 under round_robin).
 """
 from __future__ import annotations
 
+import json
 import sys
+import urllib.error
+import urllib.request
 from typing import Sequence
 
 from ..engines.launch import _ServerProcess
@@ -37,3 +43,14 @@ class RouterServer(_ServerProcess):
         return [self.python or sys.executable, "-m", "sglang_router.launch_router", "--host", self.host,
                 "--port", str(self.port), "--worker-urls", *self.worker_urls, "--policy", self.policy,
                 "--log-level", "warn", *self.extra_args]
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/workers", timeout=2.0) as r:
+                listed = json.loads(r.read()).get("workers", [])
+        except urllib.error.HTTPError as e:
+            return e.code == 404            # a router without the listing: /health is all there is
+        except (OSError, ValueError):
+            return False
+        healthy = {str(w.get("url", "")).rstrip("/") for w in listed if w.get("is_healthy", True)}
+        return all(u.rstrip("/") in healthy for u in self.worker_urls)
