@@ -369,7 +369,7 @@ def test_scheduler_kill_fails_over_at_once_and_resumes_exactly(sup):
     # the failed worker was SIGKILLed by the supervisor, not ended by its own watchdog after the diagnostics
     log_text = open(victim.server.log_path).read()
     assert "after crash diagnostics" not in log_text, log_text[-2000:]
-    assert detect < 1.5 and recovery < 2.0, (detect, recovery)     # old behaviour: ~6 s (the stub's self-kill)
+    assert detect < 3.0 and recovery < 4.0, (detect, recovery)     # old behaviour: ~6 s (the stub's self-kill)
 
 
 def test_a_slow_health_with_live_processes_is_not_a_failure_within_the_grace(tmp_path, caplog):

@@ -89,7 +89,7 @@ def test_cpu_smoke(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     wall = time.perf_counter() - t
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert wall < 60, f"CPU smoke took {wall:.1f} s"
+    assert wall < 120, f"CPU smoke took {wall:.1f} s"     # ~25 s alone; CI runs 2 loaded cores
     assert "R^2" in res.stdout and "per_round" in res.stdout
     cm = CostModel.from_json(out)
     d = json.loads(out.read_text())
