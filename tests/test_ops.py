@@ -203,6 +203,26 @@ def test_attention_flex_path_forward(case, monkeypatch):
         assert _rel(out[idx], want) < TOL
 
 
+def test_block_mask_is_built_without_grad(monkeypatch):
+    """dynamo guards on grad mode: a block mask built inside a forward with grad (no recomputation)
+    must reuse the graphs compiled for no-grad forwards (recomputation, precompile_tree_attention)."""
+    import torch.nn.attention.flex_attention as fa
+    from megatron_harts.ops import attention
+    seen = []
+    real = fa.create_block_mask
+
+    def recording(*a, **kw):
+        seen.append(torch.is_grad_enabled())
+        return real(*a, **kw)
+    monkeypatch.setattr(fa, "create_block_mask", recording)
+    for grad in (True, False):
+        p = _pack(corner_cases(8)["wide"], 8)               # a new pack: no cached mask
+        with torch.set_grad_enabled(grad):
+            m = attention.block_mask(p)
+        assert m.shape[-2:] == (attention.flex_length(p.num_tokens),) * 2
+    assert seen == [False, False]
+
+
 def _fake_varlen(new_api: bool):
     """CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention, CUDA only) with the
     signature of torch >= 2.11 (``window_size``, ``scale``, ``enable_gqa``) or 2.10 (``is_causal``):

@@ -76,8 +76,12 @@ def block_mask(pack: TreePack, block_size: int = 128):
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
         # _compile (GPU): evaluate the predicate block by block instead of materialising [T, T].
-        return create_block_mask(mask_mod, None, None, Tp, Tp, device=pack.device, BLOCK_SIZE=block_size,
-                                 _compile=pack.device.type == "cuda")
+        # Always without grad: dynamo guards on grad mode, so a mask built in a forward with grad (no
+        # recomputation) would compile a second family of graphs beside the no-grad ones that
+        # recomputation's forward and precompile_tree_attention build (seen on the H100: 2 s steps).
+        with torch.no_grad():
+            return create_block_mask(mask_mod, None, None, Tp, Tp, device=pack.device, BLOCK_SIZE=block_size,
+                                     _compile=pack.device.type == "cuda")
     return pack.cached(("block_mask", block_size, str(pack.device)), build)
 
 
