@@ -324,6 +324,33 @@ def alloc_counts(device) -> dict:
     return dict(alloc_retries=st.get("num_alloc_retries", 0), device_allocs=st.get("num_device_alloc", 0))
 
 
+_GC_MS = [0.0, 0]          # time in the interpreter's garbage collections (ms), full (gen 2) collections
+
+
+def _gc_clock(phase: str, info: dict, _t=[0.0]) -> None:
+    if phase == "start":
+        _t[0] = time.perf_counter()
+    else:
+        _GC_MS[0] += 1e3 * (time.perf_counter() - _t[0])
+        _GC_MS[1] += info.get("generation") == 2
+
+
+gc.callbacks.append(_gc_clock)
+
+
+def stall_counts() -> dict:
+    """Host-side running counts of what can stall a step besides the GPU: ``compiles`` (graphs that
+    torch.compile / dynamo compiled: FlexAttention, block masks, Megatron's ``jit_fuser`` functions;
+    a new one inside a timed step is compilation, not training), ``gc_ms`` / ``gc_full`` (time in
+    and number of full Python garbage collections). A step's delta says which one it met."""
+    try:
+        from torch._dynamo.utils import counters
+        compiles = counters["stats"]["unique_graphs"]
+    except Exception:                # dynamo unavailable: not counted
+        compiles = 0
+    return dict(compiles=compiles, gc_ms=_GC_MS[0], gc_full=_GC_MS[1])
+
+
 def reset_peak(device, empty_cache: bool = True):
     """Restart the peak-memory count (``max_memory_allocated``: live tensors, not the cache); with
     ``empty_cache`` also hand the allocator's cached blocks back to the driver first."""
@@ -450,6 +477,14 @@ def batch_seeds(args) -> tuple[list[int], list[int]]:
             [args.seed + k for k in range(args.max_steps)])
 
 
+def _step_note(st: dict) -> str:
+    """``'705 ms (host 9)'``, plus what stalled the step if anything did (compiles, gc, allocator retries)."""
+    extra = [f"{st[k]} {k}" for k in ("compiles", "alloc_retries") if st.get(k)]
+    if st.get("gc_ms", 0) >= 1:
+        extra.append(f"gc {st['gc_ms']:.0f} ms")
+    return f"{st['wall_ms']:.0f} ms (host {st['host_ms']:.0f}{'; ' + ', '.join(extra) if extra else ''})"
+
+
 def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], args, cm, device, clock: "Clock",
                 norm_of, empty_cache: bool, side_order: str = "alternate",
                 rewarm_seed: int | None = None) -> tuple[dict, dict, dict]:
@@ -460,7 +495,8 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
     before each side the cache is emptied and one untimed step on the ``rewarm_seed`` batch refills
     it with that side's blocks alone). ``empty_cache``: return the allocator's cached blocks to the
     driver before each side's step (every step then allocates its activations anew). Each step records
-    the allocator's ``alloc_retries`` and ``device_allocs`` during it (CUDA, :func:`alloc_counts`). A
+    the allocator's ``alloc_retries`` and ``device_allocs`` during it (CUDA, :func:`alloc_counts`), and
+    the graphs compiled and garbage-collection time in it (:func:`stall_counts`). A
     step's ``issue_ms``: from its start until the host had issued its last kernel (close to ``wall_ms``:
     the host binds; well below: the GPU's queue was ahead).
     Returns (per-side lists of step dicts with times in ms,
@@ -476,12 +512,13 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
         reset_peak(device, empty_cache=empty_cache)
         times: dict = {}
         clock.sync()
-        alloc0 = alloc_counts(device)
+        alloc0, stall0 = alloc_counts(device), stall_counts()
         t0 = time.perf_counter()
         mbs = microbatches(trajs, side, a, cm, device, times=times)
         fm, bm, lp = train_step(model, mbs, norm_of(trajs), clock, keep_logprobs=k == 0, times=times)
         wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
         allocs = {name: n - alloc0[name] for name, n in alloc_counts(device).items()}
+        allocs.update({name: n - stall0[name] for name, n in stall_counts().items()})
         peak[side] = max(peak[side], peak_gib(device))
         if k == 0:
             lps[side] = lp
@@ -504,14 +541,13 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
             train_step(model, microbatches(batches[seed0], side, a, cm, device), norm_of(batches[seed0]), clock)
             for k, seed in enumerate(timed):
                 one(side, k, seed)
-                log(f"{label} {side} step {k + 1}/{len(timed)}{note}: {steps[side][-1]['wall_ms']:.0f} ms "
-                    f"(host {steps[side][-1]['host_ms']:.0f})")
+                log(f"{label} {side} step {k + 1}/{len(timed)}{note}: {_step_note(steps[side][-1])}")
         return steps, lps, peak
     for k, seed in enumerate(timed):
         for side in (("baseline", "harts") if k % 2 == 0 else ("harts", "baseline")):
             one(side, k, seed)
         log(f"{label} step {k + 1}/{len(timed)}{note}: " + ", ".join(
-            f"{s} {steps[s][-1]['wall_ms']:.0f} ms (host {steps[s][-1]['host_ms']:.0f})" for s in steps))
+            f"{s} {_step_note(steps[s][-1])}" for s in steps))
     return steps, lps, peak
 
 
