@@ -223,6 +223,27 @@ def test_block_mask_is_built_without_grad(monkeypatch):
     assert seen == [False, False]
 
 
+def test_compiled_block_mask_builder_one_graph_for_all_lengths():
+    """The GPU path's mask builder (``torch.compile(create_block_mask, dynamic=True)``), run on CPU:
+    the same block masks as eager ``create_block_mask`` at every length, from one compiled graph."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask
+    from megatron_harts.ops import attention
+    build = attention._compiled_create_block_mask()
+    graphs0 = counters["stats"]["unique_graphs"]
+    for T in (384, 1024, 1280):
+        end = torch.arange(1, T + 1)
+        end[::7] = torch.clamp(torch.arange(0, T, 7) + 50, max=T)      # subtrees of 50 tokens
+
+        def mask_mod(b, h, q, kv):
+            return (kv <= q) & (q < end[kv])
+        with torch.no_grad():
+            got, want = (f(mask_mod, None, None, T, T, device="cpu", BLOCK_SIZE=128) for f in (build, create_block_mask))
+        for x, y in zip(got.as_tuple()[2:6], want.as_tuple()[2:6]):     # (full) kv block counts and indices
+            assert torch.equal(x, y)
+    assert counters["stats"]["unique_graphs"] - graphs0 == 1
+
+
 def _fake_varlen(new_api: bool):
     """CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention, CUDA only) with the
     signature of torch >= 2.11 (``window_size``, ``scale``, ``enable_gqa``) or 2.10 (``is_causal``):

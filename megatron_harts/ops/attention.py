@@ -63,6 +63,21 @@ def flex_length(T: int, min_step: int = 128) -> int:
     return -(-T // step) * step
 
 
+_block_mask_builder = None
+
+
+def _compiled_create_block_mask():
+    """``torch.compile(create_block_mask, dynamic=True)``: one graph for every pack length. Its
+    ``_compile=True`` flag compiles with automatic dynamic shapes instead, the first length static: on
+    the H200 / H100 (2026-12-06) a process's first mask build then took 130-200 s (watchdog stacks
+    inside that compile, three times), the dynamic recompile at the second length < 6 s."""
+    global _block_mask_builder
+    if _block_mask_builder is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+        _block_mask_builder = torch.compile(create_block_mask, dynamic=True)
+    return _block_mask_builder
+
+
 def block_mask(pack: TreePack, block_size: int = 128):
     """FlexAttention BlockMask of the ancestor predicate over :func:`flex_length` tokens (pad
     token j: ``subtree_end = j + 1``, i.e. itself only); cached on the pack."""
@@ -75,13 +90,12 @@ def block_mask(pack: TreePack, block_size: int = 128):
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
-        # _compile (GPU): evaluate the predicate block by block instead of materialising [T, T].
-        # Always without grad: dynamo guards on grad mode, so a mask built in a forward with grad (no
-        # recomputation) would compile a second family of graphs beside the no-grad ones that
-        # recomputation's forward and precompile_tree_attention build (seen on the H100: 2 s steps).
+        # Compiled on GPU (fused, no [T, T] mask in memory), eager on CPU. Always without grad: dynamo
+        # guards on grad mode, so a mask built in a forward with grad (no recomputation) would compile a
+        # second graph beside the no-grad one of recomputation's forward and precompile_tree_attention.
+        build_mask = _compiled_create_block_mask() if pack.device.type == "cuda" else create_block_mask
         with torch.no_grad():
-            return create_block_mask(mask_mod, None, None, Tp, Tp, device=pack.device, BLOCK_SIZE=block_size,
-                                     _compile=pack.device.type == "cuda")
+            return build_mask(mask_mod, None, None, Tp, Tp, device=pack.device, BLOCK_SIZE=block_size)
     return pack.cached(("block_mask", block_size, str(pack.device)), build)
 
 
