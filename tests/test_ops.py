@@ -244,6 +244,40 @@ def test_compiled_block_mask_builder_one_graph_for_all_lengths():
     assert counters["stats"]["unique_graphs"] - graphs0 == 1
 
 
+def test_block_mask_falls_back_to_per_length_compile(monkeypatch, caplog):
+    """If the dynamic builder fails on some torch, masks still come (``_compile=True``, per length),
+    with one warning, and the dynamic builder is not tried again."""
+    import torch.nn.attention.flex_attention as fa
+    from megatron_harts.ops import attention
+    calls, real = [], fa.create_block_mask
+
+    def broken():
+        def build(*a, **kw):
+            calls.append("dynamic")
+            raise RuntimeError("no dynamic shapes here")
+        return build
+
+    def recording(*a, _compile=False, **kw):
+        calls.append("per-length" if _compile else "eager")
+        return real(*a, **kw)
+    monkeypatch.setattr(attention, "_compiled_create_block_mask", broken)
+    monkeypatch.setattr(attention, "_block_mask_dynamic_failed", None)
+    monkeypatch.setattr(fa, "create_block_mask", recording)
+    p = _pack(corner_cases(8)["wide"], 8)
+    Tp = attention.flex_length(p.num_tokens)
+    end = torch.cat([p.subtree_end, torch.arange(p.num_tokens + 1, Tp + 1)])
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (q < end[kv])
+    with caplog.at_level("WARNING"):
+        masks = [attention._make_block_mask(mask_mod, Tp, torch.device("cpu"), 128, compiled=True) for _ in range(2)]
+    want = attention._make_block_mask(mask_mod, Tp, torch.device("cpu"), 128, compiled=False)
+    assert calls == ["dynamic", "per-length", "per-length", "eager"]
+    assert sum("dynamic block-mask compile failed" in r.message for r in caplog.records) == 1
+    for m in masks:
+        assert all(torch.equal(x, y) for x, y in zip(m.as_tuple()[2:6], want.as_tuple()[2:6]))
+
+
 def _fake_varlen(new_api: bool):
     """CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention, CUDA only) with the
     signature of torch >= 2.11 (``window_size``, ``scale``, ``enable_gqa``) or 2.10 (``is_causal``):

@@ -64,6 +64,7 @@ def flex_length(T: int, min_step: int = 128) -> int:
 
 
 _block_mask_builder = None
+_block_mask_dynamic_failed: str | None = None     # first error of the dynamic builder: later masks per length
 
 
 def _compiled_create_block_mask():
@@ -78,11 +79,33 @@ def _compiled_create_block_mask():
     return _block_mask_builder
 
 
+def _make_block_mask(mask_mod, length: int, device: torch.device, block_size: int, compiled: bool):
+    """``create_block_mask`` of ``mask_mod`` over ``length`` x ``length``, without grad (dynamo guards on
+    grad mode: a mask built in a forward with grad, i.e. without recomputation, would compile a second
+    graph beside the no-grad one of recomputation's forward and ``precompile_tree_attention``).
+    ``compiled`` (GPU: fused, no [T, T] mask in memory): through :func:`_compiled_create_block_mask`, or,
+    if that ever fails (non-OOM), per length through ``_compile=True`` for the rest of the process."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    global _block_mask_dynamic_failed
+    args = (mask_mod, None, None, length, length)
+    with torch.no_grad():
+        if not compiled:
+            return create_block_mask(*args, device=device, BLOCK_SIZE=block_size)
+        if _block_mask_dynamic_failed is None:
+            try:
+                return _compiled_create_block_mask()(*args, device=device, BLOCK_SIZE=block_size)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:
+                _block_mask_dynamic_failed = f"{type(e).__name__}: {e}"
+                logger.warning("dynamic block-mask compile failed (%s); compiling per length instead", e)
+        return create_block_mask(*args, device=device, BLOCK_SIZE=block_size, _compile=True)
+
+
 def block_mask(pack: TreePack, block_size: int = 128):
     """FlexAttention BlockMask of the ancestor predicate over :func:`flex_length` tokens (pad
-    token j: ``subtree_end = j + 1``, i.e. itself only); cached on the pack."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    token j: ``subtree_end = j + 1``, i.e. itself only); cached on the pack. Compiled on GPU, eager
+    on CPU (:func:`_make_block_mask`)."""
     def build():
         T = pack.num_tokens
         Tp = flex_length(T)
@@ -90,12 +113,7 @@ def block_mask(pack: TreePack, block_size: int = 128):
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
-        # Compiled on GPU (fused, no [T, T] mask in memory), eager on CPU. Always without grad: dynamo
-        # guards on grad mode, so a mask built in a forward with grad (no recomputation) would compile a
-        # second graph beside the no-grad one of recomputation's forward and precompile_tree_attention.
-        build_mask = _compiled_create_block_mask() if pack.device.type == "cuda" else create_block_mask
-        with torch.no_grad():
-            return build_mask(mask_mod, None, None, Tp, Tp, device=pack.device, BLOCK_SIZE=block_size)
+        return _make_block_mask(mask_mod, Tp, pack.device, block_size, compiled=pack.device.type == "cuda")
     return pack.cached(("block_mask", block_size, str(pack.device)), build)
 
 
