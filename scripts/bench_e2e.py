@@ -342,13 +342,16 @@ def stall_counts() -> dict:
     """Host-side running counts of what can stall a step besides the GPU: ``compiles`` (graphs that
     torch.compile / dynamo compiled: FlexAttention, block masks, Megatron's ``jit_fuser`` functions;
     a new one inside a timed step is compilation, not training), ``gc_ms`` / ``gc_full`` (time in
-    and number of full Python garbage collections). A step's delta says which one it met."""
+    and number of full Python garbage collections), ``thread_cpu_ms`` (CPU time of the issuing thread:
+    near the step's wall time, the host computed all along; far below it while ``issue_ms`` is near
+    the wall, the host was blocked, e.g. on a full launch queue behind a slow GPU, or descheduled).
+    A step's delta says which one it met."""
     try:
         from torch._dynamo.utils import counters
         compiles = counters["stats"]["unique_graphs"]
     except Exception:                # dynamo unavailable: not counted
         compiles = 0
-    return dict(compiles=compiles, gc_ms=_GC_MS[0], gc_full=_GC_MS[1])
+    return dict(compiles=compiles, gc_ms=_GC_MS[0], gc_full=_GC_MS[1], thread_cpu_ms=1e3 * time.thread_time())
 
 
 def reset_peak(device, empty_cache: bool = True):
