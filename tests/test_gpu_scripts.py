@@ -46,3 +46,16 @@ def test_plan_packs_results_and_the_inductor_cache_beside_them(tmp_path):
     results = _names(out / "results.tgz")
     assert "verify/verify.log" in results and not any("inductor_cache" in n for n in results), results
     assert {"fxgraph/entry_from_configs", "made_on_the_machine"} <= _names(out / "inductor_cache.tgz")
+
+
+def test_tracked_tree_leaves_room_for_a_triton_part():
+    """A device call carries the working tree plus its carry paths, at most 64 MiB; the Triton install
+    calls carry 50 MiB parts (.tw1-.tw3, shared/device/prepare_wheels.sh). A tracked tree over ~12 MiB
+    (e.g. a committed inductor archive: 13 MiB on 2026-12-06) makes every such call refused."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the tracked tree is unknown")
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    sizes = {n.decode(): (ROOT / n.decode()).stat().st_size for n in names if n and (ROOT / n.decode()).is_file()}
+    total = sum(sizes.values())
+    biggest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+    assert total <= 64 * 2**20 - 50 * 2**20 - 2 * 2**20, f"tracked files take {total / 2**20:.1f} MiB; largest: {biggest}"
