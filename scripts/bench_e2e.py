@@ -324,15 +324,15 @@ def alloc_counts(device) -> dict:
     return dict(alloc_retries=st.get("num_alloc_retries", 0), device_allocs=st.get("num_device_alloc", 0))
 
 
-_GC_MS = [0.0, 0]          # time in the interpreter's garbage collections (ms), full (gen 2) collections
+_GC = dict(start=0.0, ms=0.0, full=0)     # the interpreter's garbage collections: time in them (ms), full ones
 
 
-def _gc_clock(phase: str, info: dict, _t=[0.0]) -> None:
+def _gc_clock(phase: str, info: dict) -> None:
     if phase == "start":
-        _t[0] = time.perf_counter()
+        _GC["start"] = time.perf_counter()
     else:
-        _GC_MS[0] += 1e3 * (time.perf_counter() - _t[0])
-        _GC_MS[1] += info.get("generation") == 2
+        _GC["ms"] += 1e3 * (time.perf_counter() - _GC["start"])
+        _GC["full"] += info.get("generation") == 2
 
 
 gc.callbacks.append(_gc_clock)
@@ -351,7 +351,7 @@ def stall_counts() -> dict:
         compiles = counters["stats"]["unique_graphs"]
     except Exception:                # dynamo unavailable: not counted
         compiles = 0
-    return dict(compiles=compiles, gc_ms=_GC_MS[0], gc_full=_GC_MS[1], thread_cpu_ms=1e3 * time.thread_time())
+    return dict(compiles=compiles, gc_ms=_GC["ms"], gc_full=_GC["full"], thread_cpu_ms=1e3 * time.thread_time())
 
 
 def reset_peak(device, empty_cache: bool = True):
@@ -499,7 +499,8 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
     it with that side's blocks alone). ``empty_cache``: return the allocator's cached blocks to the
     driver before each side's step (every step then allocates its activations anew). Each step records
     the allocator's ``alloc_retries`` and ``device_allocs`` during it (CUDA, :func:`alloc_counts`), and
-    the graphs compiled and garbage-collection time in it (:func:`stall_counts`). A
+    the graphs compiled, garbage-collection time and the issuing thread's CPU time in it
+    (:func:`stall_counts`). A
     step's ``issue_ms``: from its start until the host had issued its last kernel (close to ``wall_ms``:
     the host binds; well below: the GPU's queue was ahead).
     Returns (per-side lists of step dicts with times in ms,

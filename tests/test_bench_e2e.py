@@ -41,6 +41,8 @@ def test_bench_e2e_cpu_smoke(tmp_path):
         for x in b + h:
             assert x["wall_ms"] >= x["host_ms"] + x["grad_ms"] > 0 and x["plan_ms"] >= 0 and x["pack_ms"] > 0
             assert x["host_ms"] < x["issue_ms"] <= x["wall_ms"]     # the host issued after it packed, before the sync
+            assert x["compiles"] == 0 and 0 <= x["gc_ms"] <= x["wall_ms"] and x["gc_full"] >= 0  # dynamo off here
+            assert 0 < x["thread_cpu_ms"]
         for side in ("baseline", "harts"):
             w = r[side]["wall_ms"]
             assert w["min"] <= w["median"] <= w["max"]
@@ -130,6 +132,24 @@ def test_bench_e2e_measures_the_attention_kernel_share(tmp_path, monkeypatch):
     head = next(line for line in md.splitlines() if line.startswith("| model |")).split("|")
     row_line = next(line for line in md.splitlines() if line.startswith("| dense |")).split("|")
     assert row_line[head.index(" lp diff flex-b max ")].strip() not in ("", "-")
+
+
+def test_stall_counts_see_a_compile_and_a_full_collection():
+    """What a timed step's stall counters record: a graph that torch.compile compiles, a full garbage
+    collection (time and count), and CPU time spent by this thread (not by sleeping)."""
+    import gc
+    import time
+    sys.path.insert(0, ROOT)
+    from scripts.bench_e2e import stall_counts
+    s0 = stall_counts()
+    torch.compile(lambda x: x * 3 + 1, backend="eager")(torch.ones(3))
+    gc.collect()
+    s1 = stall_counts()
+    assert s1["compiles"] - s0["compiles"] == 1
+    assert s1["gc_full"] - s0["gc_full"] == 1 and s1["gc_ms"] > s0["gc_ms"]
+    assert s1["thread_cpu_ms"] > s0["thread_cpu_ms"]            # compiling took this thread's CPU
+    time.sleep(0.3)                                               # a blocked host: wall time, no CPU time
+    assert stall_counts()["thread_cpu_ms"] - s1["thread_cpu_ms"] < 100
 
 
 def test_sync_sites_groups_syncs_by_the_calling_frame_outside_torch():
