@@ -46,8 +46,11 @@ import gc
 import json
 import os
 import random
+import shutil
 import statistics
+import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -354,6 +357,117 @@ def stall_counts() -> dict:
     return dict(compiles=compiles, gc_ms=_GC["ms"], gc_full=_GC["full"], thread_cpu_ms=1e3 * time.thread_time())
 
 
+# Clock-event ("throttle") reason bits of nvidia-smi's clocks_throttle_reasons.active / clocks_event_reasons.active
+CLOCK_EVENTS = {0x1: "idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x10: "sync_boost",
+                0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clocks"}
+
+
+class GpuSampler:
+    """The GPU's SM clock (MHz), temperature (C), power draw (W) and active clock-event ("throttle")
+    reasons, sampled every ``period_ms`` by ``nvidia-smi -lms`` in a child process (no NVML binding is
+    installed on the device machines) and stamped with ``time.perf_counter()`` as each line arrives.
+    :meth:`window` summarises the samples of one timed step: a step slowed by a clocked-down GPU shows
+    it (``sm_mhz_min`` low, ``clock_events`` such as ``sw_power_cap`` or ``hw_slowdown``); one that ran
+    at full clocks rules the GPU out and leaves the host. ``cmd``: the sampling argv (default
+    nvidia-smi; the CPU tests give a stand-in that prints the same CSV lines)."""
+
+    REASON_FIELDS = ("clocks_throttle_reasons.active", "clocks_event_reasons.active")   # older / newer drivers
+
+    def __init__(self, gpu: str = "0", period_ms: int = 100, cmd: list[str] | None = None):
+        if cmd is None:
+            fields = self.query_fields(gpu)
+            cmd = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                   "-lms", str(period_ms), "-i", gpu]
+        self.samples: list[tuple] = []     # (perf_counter s, sm MHz, temperature C, power W, reason bits)
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        self._thread = threading.Thread(target=self._read, name="gpu-sampler", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def query_fields(cls, gpu: str) -> list[str]:
+        """The fields this driver's nvidia-smi answers: SM clock, temperature, power and the first
+        clock-event field it knows (none if neither)."""
+        base = ["clocks.sm", "temperature.gpu", "power.draw"]
+        for reasons in cls.REASON_FIELDS:
+            r = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(base + [reasons])}",
+                                "--format=csv,noheader,nounits", "-i", gpu], capture_output=True, text=True, timeout=30)
+            if r.returncode == 0:
+                return base + [reasons]
+        return base
+
+    @staticmethod
+    def parse(line: str) -> tuple | None:
+        """``'1980, 45, 312.5, 0x0000000000000004'`` -> (1980.0, 45.0, 312.5, 4); ``[N/A]`` -> None
+        for that field; a line that is not such a record -> None."""
+        parts = [p.strip() for p in line.strip().split(",")]
+        if len(parts) not in (3, 4):
+            return None
+
+        def num(p: str) -> float | None:
+            try:
+                return float(p)
+            except ValueError:
+                return None
+        vals = [num(p) for p in parts[:3]]
+        if vals[0] is None and vals[1] is None:
+            return None
+        reasons = None
+        if len(parts) == 4 and parts[3].lower().startswith("0x"):
+            try:
+                reasons = int(parts[3], 16)
+            except ValueError:
+                reasons = None
+        return (*vals, reasons)
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            rec = self.parse(line)
+            if rec is not None:
+                self.samples.append((time.perf_counter(), *rec))
+
+    def window(self, t0: float, t1: float) -> dict:
+        """Summary of the samples stamped in [t0, t1] (``perf_counter`` seconds): ``gpu_samples``,
+        ``sm_mhz_min`` / ``sm_mhz_max``, ``temp_c_max``, ``power_w_max``, and ``clock_events``: the
+        names of every reason active in any sample except ``idle`` (a host-bound step idles the GPU)."""
+        xs = [s for s in list(self.samples) if t0 <= s[0] <= t1]
+        out: dict = dict(gpu_samples=len(xs))
+        for key, i, agg in (("sm_mhz_min", 1, min), ("sm_mhz_max", 1, max), ("temp_c_max", 2, max),
+                            ("power_w_max", 3, max)):
+            vals = [s[i] for s in xs if s[i] is not None]
+            if vals:
+                out[key] = agg(vals)
+        bits = 0
+        for s in xs:
+            bits |= s[4] or 0
+        out["clock_events"] = [name for bit, name in CLOCK_EVENTS.items() if bits & bit and bit != 0x1]
+        return out
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._thread.join(timeout=5)
+
+
+_SAMPLER: GpuSampler | None = None     # set by main() on CUDA when nvidia-smi is there (--no-gpu-sampler: off)
+
+
+def start_gpu_sampler(device) -> GpuSampler | None:
+    """A :class:`GpuSampler` for ``device``'s GPU, or None (CPU, no nvidia-smi, or it failed to start;
+    logged: the steps then carry no clock fields)."""
+    if device.type != "cuda" or shutil.which("nvidia-smi") is None:
+        return None
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or str(torch.cuda.current_device())
+    try:
+        return GpuSampler(gpu=gpu)
+    except (OSError, subprocess.SubprocessError) as e:
+        log(f"GPU clock sampling off: {e}")
+        return None
+
+
 def reset_peak(device, empty_cache: bool = True):
     """Restart the peak-memory count (``max_memory_allocated``: live tensors, not the cache); with
     ``empty_cache`` also hand the allocator's cached blocks back to the driver first."""
@@ -481,10 +595,14 @@ def batch_seeds(args) -> tuple[list[int], list[int]]:
 
 
 def _step_note(st: dict) -> str:
-    """``'705 ms (host 9)'``, plus what stalled the step if anything did (compiles, gc, allocator retries)."""
+    """``'705 ms (host 9)'``, plus what stalled the step if anything did (compiles, gc, allocator retries,
+    GPU clock events such as a power cap)."""
     extra = [f"{st[k]} {k}" for k in ("compiles", "alloc_retries") if st.get(k)]
     if st.get("gc_ms", 0) >= 1:
         extra.append(f"gc {st['gc_ms']:.0f} ms")
+    if st.get("clock_events"):
+        extra.append(f"GPU clocks {st.get('sm_mhz_min', 0):.0f}-{st.get('sm_mhz_max', 0):.0f} MHz, "
+                     + "+".join(st["clock_events"]))
     return f"{st['wall_ms']:.0f} ms (host {st['host_ms']:.0f}{'; ' + ', '.join(extra) if extra else ''})"
 
 
@@ -500,7 +618,7 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
     driver before each side's step (every step then allocates its activations anew). Each step records
     the allocator's ``alloc_retries`` and ``device_allocs`` during it (CUDA, :func:`alloc_counts`), and
     the graphs compiled, garbage-collection time and the issuing thread's CPU time in it
-    (:func:`stall_counts`). A
+    (:func:`stall_counts`), and on CUDA the GPU's clocks during it (:class:`GpuSampler`). A
     step's ``issue_ms``: from its start until the host had issued its last kernel (close to ``wall_ms``:
     the host binds; well below: the GPU's queue was ahead).
     Returns (per-side lists of step dicts with times in ms,
@@ -520,9 +638,12 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
         t0 = time.perf_counter()
         mbs = microbatches(trajs, side, a, cm, device, times=times)
         fm, bm, lp = train_step(model, mbs, norm_of(trajs), clock, keep_logprobs=k == 0, times=times)
-        wall = 1e3 * (time.perf_counter() - t0)           # train_step ends with a device sync
+        t1 = time.perf_counter()
+        wall = 1e3 * (t1 - t0)                             # train_step ends with a device sync
         allocs = {name: n - alloc0[name] for name, n in alloc_counts(device).items()}
         allocs.update({name: n - stall0[name] for name, n in stall_counts().items()})
+        if _SAMPLER is not None:                           # the GPU's clocks during the step
+            allocs.update(_SAMPLER.window(t0, t1))
         peak[side] = max(peak[side], peak_gib(device))
         if k == 0:
             lps[side] = lp
@@ -846,6 +967,7 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _SAMPLER
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for e2e.json (or e2e.md/png)")
     ap.add_argument("--name", default="e2e.json", help="JSON file name inside --out")
@@ -895,6 +1017,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     add_save_fla_configs_arg(ap)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
+    ap.add_argument("--no-gpu-sampler", action="store_true", help="do not sample the GPU's clocks, temperature, "
+                    "power and clock-event reasons during the timed steps (nvidia-smi -lms 100 in a child process)")
     args = ap.parse_args(argv)
     if args.max_steps is None:
         args.max_steps = 2 if args.same_batch else 5
@@ -933,6 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(dynamo.config, k, 256)
         init_single_gpu(args.seed)
         ctx = contextlib.nullcontext()
+        if not args.no_gpu_sampler:
+            _SAMPLER = start_gpu_sampler(device)
     else:
         import torch._dynamo as dynamo
         from megatron_harts.megatron import cpu_shim
@@ -993,6 +1119,8 @@ def main(argv: list[str] | None = None) -> int:
                 save_fla_autotune(args.save_fla_configs)
             print(f"[e2e] {m} {wl} recompute={rc}: compression {row['compression']:.2f} speedup "
                   f"{row['speedup']:.2f} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    if _SAMPLER is not None:
+        _SAMPLER.close()
     print("\n".join(table_fresh(rows) + table(rows)))
     return 0
 

@@ -264,3 +264,52 @@ def test_blocked_side_order_times_each_side_alone_after_a_rewarm_step(tmp_path, 
     for order, r in rows.items():
         assert r["side_order"] == order
         assert [x["seed"] for x in r["baseline"]["steps"]] == [x["seed"] for x in r["harts"]["steps"]] == [1, 2]
+
+
+def test_gpu_sampler_parses_nvidia_smi_lines():
+    """The CSV records of ``nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw,<reasons>
+    --format=csv,noheader,nounits``: numbers, a hex reason mask, [N/A] fields, drivers without the reasons."""
+    sys.path.insert(0, ROOT)
+    from scripts.bench_e2e import GpuSampler
+    assert GpuSampler.parse("1980, 45, 312.51, 0x0000000000000004\n") == (1980.0, 45.0, 312.51, 4)
+    assert GpuSampler.parse("1755, 61, [N/A], 0x0000000000000000") == (1755.0, 61.0, None, 0)
+    assert GpuSampler.parse("1980, 45, 300.0") == (1980.0, 45.0, 300.0, None)
+    assert GpuSampler.parse("Field \"clocks_throttle_reasons.active\" is not a valid field to query.") is None
+    assert GpuSampler.parse("[N/A], [N/A], [N/A], [N/A]") is None
+    assert GpuSampler.parse("") is None
+
+
+def test_gpu_sampler_reads_a_child_process_and_summarises_a_step_window():
+    """A stand-in for nvidia-smi (named as such: the real one needs a GPU) prints four records; the
+    sampler stamps them as they arrive, and a step's window reports the lowest clock and the clock
+    events seen in it (idle left out), while samples outside the window do not count."""
+    import time
+    sys.path.insert(0, ROOT)
+    from scripts.bench_e2e import GpuSampler, _step_note
+    lines = ["1980, 40, 300.0, 0x0000000000000001", "1410, 70, 700.0, 0x0000000000000004",
+             "garbage line", "1980, 44, 310.0, 0x0000000000000000", "1600, 80, 650.0, 0x0000000000000048"]
+    script = "import sys, time\n" + "".join(f"print({l!r}, flush=True); time.sleep(0.05)\n" for l in lines)
+    t0 = time.perf_counter()
+    s = GpuSampler(cmd=[sys.executable, "-c", script])
+    s._thread.join(timeout=30)                   # the stand-in exits after its lines
+    s.close()
+    t1 = time.perf_counter()
+    assert [x[1:] for x in s.samples] == [(1980.0, 40.0, 300.0, 1), (1410.0, 70.0, 700.0, 4),
+                                          (1980.0, 44.0, 310.0, 0), (1600.0, 80.0, 650.0, 0x48)]
+    assert all(t0 <= x[0] <= t1 for x in s.samples) and [x[0] for x in s.samples] == sorted(x[0] for x in s.samples)
+    w = s.window(t0, t1)
+    assert w == dict(gpu_samples=4, sm_mhz_min=1410.0, sm_mhz_max=1980.0, temp_c_max=80.0, power_w_max=700.0,
+                     clock_events=["sw_power_cap", "hw_slowdown", "hw_thermal"])
+    first = s.samples[0][0]
+    assert s.window(t0, first) == dict(gpu_samples=1, sm_mhz_min=1980.0, sm_mhz_max=1980.0, temp_c_max=40.0,
+                                       power_w_max=300.0, clock_events=[])     # idle alone is no event
+    assert s.window(t1 + 1, t1 + 2) == dict(gpu_samples=0, clock_events=[])
+    note = _step_note(dict(wall_ms=1179.0, host_ms=7.0, **w))
+    assert note == "1179 ms (host 7; GPU clocks 1410-1980 MHz, sw_power_cap+hw_slowdown+hw_thermal)"
+    assert _step_note(dict(wall_ms=370.0, host_ms=7.0, **s.window(t0, first))) == "370 ms (host 7)"
+
+
+def test_gpu_sampler_is_off_without_a_gpu():
+    sys.path.insert(0, ROOT)
+    from scripts.bench_e2e import start_gpu_sampler
+    assert start_gpu_sampler(torch.device("cpu")) is None
