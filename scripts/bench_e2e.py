@@ -452,7 +452,77 @@ class GpuSampler:
         self._thread.join(timeout=5)
 
 
+class HostStackSampler:
+    """Where the issuing thread is, every ``period_s``: a daemon thread reads that thread's current Python
+    frame (``sys._current_frames``) and keeps ``'file:line function'`` of its innermost frame, plus the
+    innermost frame in this project's, Megatron's or the bench's own code when that is a different one
+    (``'torch/cuda/__init__.py:1040 synchronize < megatron_harts/ops/tree_gdn.py:210 forward'``),
+    stamped with ``perf_counter``. :meth:`window` gives a step's most frequent places: a step whose host
+    sat blocked (a launch behind a full queue, an allocation, a sync) shows the line it waited on. One
+    frame read per period (~tens of microseconds holding the GIL: ~0.1% of a step at 50 ms)."""
+
+    OWN = ("megatron_harts" + os.sep, "megatron" + os.sep, "scripts" + os.sep)
+
+    def __init__(self, thread_id: int | None = None, period_s: float = 0.05):
+        self.tid = thread_id if thread_id is not None else threading.main_thread().ident
+        self.period_s = period_s
+        self.samples: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host-stack-sampler", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def place(cls, frame) -> str:
+        """``'file:line function'`` of ``frame`` (path from its package folder on), and of the innermost
+        frame below it in our / Megatron's code if that is another frame."""
+        def name(f) -> str:
+            path = f.f_code.co_filename
+            for marker in ("site-packages" + os.sep, "harts_site" + os.sep):
+                if marker in path:
+                    path = path.split(marker, 1)[1]
+                    break
+            else:
+                path = os.path.relpath(path) if os.path.isabs(path) else path
+            return f"{path}:{f.f_lineno} {f.f_code.co_name}"
+        inner, own = frame, None
+        f = frame
+        while f is not None:
+            if any(m in f.f_code.co_filename for m in cls.OWN) and "torch" + os.sep not in f.f_code.co_filename:
+                own = f
+                break
+            f = f.f_back
+        return name(inner) if own is None or own is inner else f"{name(inner)} < {name(own)}"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            frame = sys._current_frames().get(self.tid)
+            if frame is not None:
+                self.samples.append((time.perf_counter(), self.place(frame)))
+            del frame
+
+    def window(self, t0: float, t1: float, top: int = 3) -> list[list]:
+        """The ``top`` most frequent places among the samples stamped in [t0, t1], as [place, count]."""
+        places = collections.Counter(p for t, p in list(self.samples) if t0 <= t <= t1)
+        return [[p, n] for p, n in places.most_common(top)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def slow_step_places(steps: list[dict], factor: float = 1.5) -> list[str]:
+    """One line per step slower than ``factor`` x its side's median wall time that has sampled host
+    places (``host_places``): ``'step 2: 2036 ms vs median 1206: <place> x12, ...'``."""
+    if not steps:
+        return []
+    med = statistics.median(st["wall_ms"] for st in steps)
+    return [f"step {k + 1}: {st['wall_ms']:.0f} ms vs median {med:.0f}: "
+            + ", ".join(f"{p} x{n}" for p, n in st["host_places"])
+            for k, st in enumerate(steps) if st["wall_ms"] > factor * med and st.get("host_places")]
+
+
 _SAMPLER: GpuSampler | None = None     # set by main() on CUDA when nvidia-smi is there (--no-gpu-sampler: off)
+_STACKS: HostStackSampler | None = None   # set by main() on CUDA (--no-gpu-sampler: off too)
 
 
 def start_gpu_sampler(device) -> GpuSampler | None:
@@ -618,7 +688,8 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
     driver before each side's step (every step then allocates its activations anew). Each step records
     the allocator's ``alloc_retries`` and ``device_allocs`` during it (CUDA, :func:`alloc_counts`), and
     the graphs compiled, garbage-collection time and the issuing thread's CPU time in it
-    (:func:`stall_counts`), and on CUDA the GPU's clocks during it (:class:`GpuSampler`). A
+    (:func:`stall_counts`), and on CUDA the GPU's clocks during it (:class:`GpuSampler`) and where the
+    host thread was (:class:`HostStackSampler`; a step over 1.5x its side's median logs them). A
     step's ``issue_ms``: from its start until the host had issued its last kernel (close to ``wall_ms``:
     the host binds; well below: the GPU's queue was ahead).
     Returns (per-side lists of step dicts with times in ms,
@@ -644,6 +715,8 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
         allocs.update({name: n - stall0[name] for name, n in stall_counts().items()})
         if _SAMPLER is not None:                           # the GPU's clocks during the step
             allocs.update(_SAMPLER.window(t0, t1))
+        if _STACKS is not None:                            # where the host thread was during it
+            allocs["host_places"] = _STACKS.window(t0, t1)
         peak[side] = max(peak[side], peak_gib(device))
         if k == 0:
             lps[side] = lp
@@ -667,13 +740,21 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
             for k, seed in enumerate(timed):
                 one(side, k, seed)
                 log(f"{label} {side} step {k + 1}/{len(timed)}{note}: {_step_note(steps[side][-1])}")
+        _log_slow_steps(label, steps)
         return steps, lps, peak
     for k, seed in enumerate(timed):
         for side in (("baseline", "harts") if k % 2 == 0 else ("harts", "baseline")):
             one(side, k, seed)
         log(f"{label} step {k + 1}/{len(timed)}{note}: " + ", ".join(
             f"{s} {_step_note(steps[s][-1])}" for s in steps))
+    _log_slow_steps(label, steps)
     return steps, lps, peak
+
+
+def _log_slow_steps(label: str, steps: dict) -> None:
+    for side, st in steps.items():
+        for line in slow_step_places(st):
+            log(f"{label} {side} slow {line}")
 
 
 def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: dict[int, list], args, device) -> dict:
@@ -967,7 +1048,7 @@ def render(rows: list[dict], metas: list[dict], out_dir: str, failed: list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    global _SAMPLER
+    global _SAMPLER, _STACKS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for e2e.json (or e2e.md/png)")
     ap.add_argument("--name", default="e2e.json", help="JSON file name inside --out")
@@ -1018,7 +1099,8 @@ def main(argv: list[str] | None = None) -> int:
     add_save_fla_configs_arg(ap)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
     ap.add_argument("--no-gpu-sampler", action="store_true", help="do not sample the GPU's clocks, temperature, "
-                    "power and clock-event reasons during the timed steps (nvidia-smi -lms 100 in a child process)")
+                    "power and clock-event reasons during the timed steps (nvidia-smi -lms 100 in a child process), "
+                    "nor where the host thread is (every 50 ms; slow steps' places are logged)")
     args = ap.parse_args(argv)
     if args.max_steps is None:
         args.max_steps = 2 if args.same_batch else 5
@@ -1059,6 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = contextlib.nullcontext()
         if not args.no_gpu_sampler:
             _SAMPLER = start_gpu_sampler(device)
+            _STACKS = HostStackSampler()
     else:
         import torch._dynamo as dynamo
         from megatron_harts.megatron import cpu_shim
@@ -1121,6 +1204,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['speedup']:.2f} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     if _SAMPLER is not None:
         _SAMPLER.close()
+    if _STACKS is not None:
+        _STACKS.close()
     print("\n".join(table_fresh(rows) + table(rows)))
     return 0
 

@@ -313,3 +313,58 @@ def test_gpu_sampler_is_off_without_a_gpu():
     sys.path.insert(0, ROOT)
     from scripts.bench_e2e import start_gpu_sampler
     assert start_gpu_sampler(torch.device("cpu")) is None
+
+
+def _wait_in_a_known_place(seconds: float) -> None:
+    import time
+    time.sleep(seconds)
+
+
+def test_host_stack_sampler_names_where_the_thread_waited():
+    """A step that sits in one place (here a sleep in a known function, as a blocked launch would sit in
+    its call) is named by the window's top place, with the innermost frame first; samples outside the
+    window do not count; slow_step_places reports only steps over 1.5x their side's median."""
+    import time
+    sys.path.insert(0, ROOT)
+    from scripts.bench_e2e import HostStackSampler, slow_step_places
+    s = HostStackSampler(period_s=0.01)
+    try:
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        _wait_in_a_known_place(0.4)
+        t1 = time.perf_counter()
+    finally:
+        s.close()
+    top = s.window(t0, t1)
+    assert top and top[0][1] >= 10, top
+    place, n = top[0]
+    assert place.endswith("_wait_in_a_known_place") and "test_bench_e2e.py:" in place, place
+    assert sum(c for _, c in top) <= len(s.samples)
+    assert s.window(t1 + 10, t1 + 20) == []
+    steps = [dict(wall_ms=w, host_places=[[place, n]]) for w in (1190.0, 2036.0, 1205.0, 1244.0, 1206.0)]
+    assert slow_step_places(steps) == [f"step 2: 2036 ms vs median 1206: {place} x{n}"]
+    assert slow_step_places([dict(wall_ms=1000.0), dict(wall_ms=3000.0), dict(wall_ms=1000.0)]) == []  # no places
+
+
+def test_host_stack_sampler_names_the_innermost_own_frame_under_library_frames():
+    """Inside a library call the place names the library line and, after '<', the innermost frame of
+    this project's, Megatron's or the bench's code below it (frames as stand-in objects with the
+    attributes the sampler reads: a real stack's shape, fixed names)."""
+    from types import SimpleNamespace as NS
+    sys.path.insert(0, ROOT)
+    from scripts.bench_e2e import HostStackSampler
+
+    def frame(path, line, func, back=None):
+        return NS(f_code=NS(co_filename=path, co_name=func), f_lineno=line, f_back=back)
+    sp = "/opt/venv/lib/python3.12/site-packages/"
+    bench = frame("scripts/bench_e2e.py", 300, "train_step")
+    ours = frame("megatron_harts/ops/tree_gdn.py", 210, "forward", bench)
+    module = frame(sp + "torch/nn/modules/module.py", 1750, "_call_impl", ours)
+    sync = frame(sp + "torch/cuda/__init__.py", 1040, "synchronize", module)
+    assert HostStackSampler.place(sync) == \
+        "torch/cuda/__init__.py:1040 synchronize < megatron_harts/ops/tree_gdn.py:210 forward"
+    mcore = frame("/tmp/harts_site/megatron/core/ssm/gated_delta_net/common.py", 432, "_compute_g_and_beta", ours)
+    assert HostStackSampler.place(frame(sp + "torch/_ops.py", 1123, "__call__", mcore)) == \
+        "torch/_ops.py:1123 __call__ < megatron/core/ssm/gated_delta_net/common.py:432 _compute_g_and_beta"
+    assert HostStackSampler.place(ours) == "megatron_harts/ops/tree_gdn.py:210 forward"     # own and innermost
+    assert HostStackSampler.place(frame(sp + "torch/_ops.py", 1, "f")) == "torch/_ops.py:1 f"  # no own frame
