@@ -521,8 +521,8 @@ def slow_step_places(steps: list[dict], factor: float = 1.5) -> list[str]:
             for k, st in enumerate(steps) if st["wall_ms"] > factor * med and st.get("host_places")]
 
 
-_SAMPLER: GpuSampler | None = None     # set by main() on CUDA when nvidia-smi is there (--no-gpu-sampler: off)
-_STACKS: HostStackSampler | None = None   # set by main() on CUDA (--no-gpu-sampler: off too)
+_SAMPLER: GpuSampler | None = None     # set by main() on CUDA when nvidia-smi is there (--no-step-samplers: off)
+_STACKS: HostStackSampler | None = None   # set by main() (--no-step-samplers: off)
 
 
 def start_gpu_sampler(device) -> GpuSampler | None:
@@ -1098,9 +1098,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     add_save_fla_configs_arg(ap)
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks and exit after this many seconds")
-    ap.add_argument("--no-gpu-sampler", action="store_true", help="do not sample the GPU's clocks, temperature, "
-                    "power and clock-event reasons during the timed steps (nvidia-smi -lms 100 in a child process), "
-                    "nor where the host thread is (every 50 ms; slow steps' places are logged)")
+    ap.add_argument("--no-step-samplers", action="store_true", help="do not sample, during the timed steps, the "
+                    "GPU's clocks, temperature, power and clock-event reasons (CUDA: nvidia-smi -lms 100 in a child "
+                    "process) nor where the host thread is (every 50 ms; slow steps' places are logged)")
     args = ap.parse_args(argv)
     if args.max_steps is None:
         args.max_steps = 2 if args.same_batch else 5
@@ -1139,14 +1139,15 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(dynamo.config, k, 256)
         init_single_gpu(args.seed)
         ctx = contextlib.nullcontext()
-        if not args.no_gpu_sampler:
+        if not args.no_step_samplers:
             _SAMPLER = start_gpu_sampler(device)
-            _STACKS = HostStackSampler()
     else:
         import torch._dynamo as dynamo
         from megatron_harts.megatron import cpu_shim
         dynamo.config.disable = True        # Megatron's torch.compile'd fusions: minutes of C++ builds on CPU
         ctx = cpu_shim.cpu_megatron(seed=args.seed)
+    if not args.no_step_samplers:
+        _STACKS = HostStackSampler()
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 chunk_size=args.chunk_size, max_steps=args.max_steps, pad_multiple=args.pad_multiple,
                 vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv, fresh_batches=not args.same_batch,

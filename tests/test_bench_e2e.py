@@ -43,6 +43,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
             assert x["host_ms"] < x["issue_ms"] <= x["wall_ms"]     # the host issued after it packed, before the sync
             assert x["compiles"] == 0 and 0 <= x["gc_ms"] <= x["wall_ms"] and x["gc_full"] >= 0  # dynamo off here
             assert 0 < x["thread_cpu_ms"]
+            assert all(n >= 1 and ":" in p for p, n in x["host_places"])  # sampled places (none if under 50 ms)
         for side in ("baseline", "harts"):
             w = r[side]["wall_ms"]
             assert w["min"] <= w["median"] <= w["max"]
@@ -59,6 +60,8 @@ def test_bench_e2e_cpu_smoke(tmp_path):
             assert [x["seed"] for x in e[side]["steps"]] == [x["seed"] for x in main]
             assert [x["compact_tokens"] for x in e[side]["steps"]] == [x["compact_tokens"] for x in main]
         assert abs(e["speedup"] - e["baseline"]["wall_ms"]["median"] / e["harts"]["wall_ms"]["median"]) < 1e-9
+    # the host sampler ran through the steps (every 50 ms): the longer steps name where the host was
+    assert any(x["host_places"] for r in rows for side in ("baseline", "harts") for x in r[side]["steps"])
     plot = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_e2e.py"), "--plot",
                            str(tmp_path / "e2e.json"), "--out", str(tmp_path)], capture_output=True, text=True)
     assert plot.returncode == 0, plot.stderr[-3000:]
