@@ -38,6 +38,7 @@ to a multiple of N tokens through every layer (computed, not counted; the runs o
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -523,6 +524,20 @@ def slow_step_places(steps: list[dict], factor: float = 1.5) -> list[str]:
 
 _SAMPLER: GpuSampler | None = None     # set by main() on CUDA when nvidia-smi is there (--no-step-samplers: off)
 _STACKS: HostStackSampler | None = None   # set by main() (--no-step-samplers: off)
+
+
+def close_step_samplers() -> None:
+    """Stop both samplers (the nvidia-smi child too) and forget them; run at the end of ``main`` and at exit."""
+    global _SAMPLER, _STACKS
+    for sampler in (_SAMPLER, _STACKS):
+        if sampler is not None:
+            sampler.close()
+    _SAMPLER = _STACKS = None
+
+
+# a run that raises leaves no nvidia-smi behind; after the watchdog's os._exit (no atexit) the child dies
+# of SIGPIPE at its next line, its reader gone
+atexit.register(close_step_samplers)
 
 
 def start_gpu_sampler(device) -> GpuSampler | None:
@@ -1203,10 +1218,7 @@ def main(argv: list[str] | None = None) -> int:
                 save_fla_autotune(args.save_fla_configs)
             print(f"[e2e] {m} {wl} recompute={rc}: compression {row['compression']:.2f} speedup "
                   f"{row['speedup']:.2f} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    if _SAMPLER is not None:
-        _SAMPLER.close()
-    if _STACKS is not None:
-        _STACKS.close()
+    close_step_samplers()
     print("\n".join(table_fresh(rows) + table(rows)))
     return 0
 
