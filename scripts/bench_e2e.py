@@ -703,8 +703,8 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
     driver before each side's step (every step then allocates its activations anew). Each step records
     the allocator's ``alloc_retries`` and ``device_allocs`` during it (CUDA, :func:`alloc_counts`), and
     the graphs compiled, garbage-collection time and the issuing thread's CPU time in it
-    (:func:`stall_counts`), and on CUDA the GPU's clocks during it (:class:`GpuSampler`) and where the
-    host thread was (:class:`HostStackSampler`; a step over 1.5x its side's median logs them). A
+    (:func:`stall_counts`), where the host thread was (:class:`HostStackSampler`; a step over 1.5x its
+    side's median logs them) and, on CUDA, the GPU's clocks during it (:class:`GpuSampler`). A
     step's ``issue_ms``: from its start until the host had issued its last kernel (close to ``wall_ms``:
     the host binds; well below: the GPU's queue was ahead).
     Returns (per-side lists of step dicts with times in ms,
