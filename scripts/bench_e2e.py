@@ -118,44 +118,61 @@ def pad_to(trees: list, multiple: int, vocab: int, rng: np.random.Generator, cha
     return trees + [RolloutTree([dummy], merge_prefixes=not chains)], pad
 
 
-def microbatches(trajs: list, side: str, args, cost_model, device, shuffle: int | None = None,
-                 times: dict | None = None) -> list[dict]:
-    """Device packs of one side: ``harts`` (planner) or ``baseline`` (chains, LPT on tokens;
-    ``shuffle`` = seed of a random trajectory order for the rerun). ``times`` (if given) gets the
-    host milliseconds of ``plan`` (planner / LPT), ``pack`` (tree layout + chunk plans, numpy) and
-    ``copy`` (host-to-device copies of packs and loss weights)."""
-    rng = np.random.default_rng(args.seed)
-    t_plan = time.perf_counter()
+def plan_side(trajs: list, side: str, args, cost_model, shuffle: int | None = None) -> list[list]:
+    """The trees of each microbatch of one side: ``harts`` (planner) or ``baseline`` (chains, LPT on
+    tokens; ``shuffle`` = seed of a random trajectory order for the rerun). Empty microbatches left out."""
     if side == "harts":
         trees = trees_from_trajectories(trajs)
         p = plan(trees, dp_size=1, microbatch_capacity=args.capacity, cost_model=cost_model, chunk_size=args.chunk_size)
-        mbs = p.microbatches(trees, 0)
-    else:
-        order = list(range(len(trajs)))
-        if shuffle is not None:
-            random.Random(shuffle).shuffle(order)
-        lens = np.array([len(trajs[i]) for i in order], np.int64)
-        if lens.max() > args.capacity:
-            raise ValueError(f"a trajectory of {lens.max()} tokens exceeds --capacity {args.capacity}")
-        _, mb, M = assign(lens.astype(np.float64), lens, dp_size=1, capacity=args.capacity, refine=shuffle is None)
-        if shuffle is not None:          # rerun: a different composition (round robin of the shuffled order)
-            mb = np.arange(len(order)) % M
-        mbs = [[RolloutTree([trajs[order[i]] for i in np.flatnonzero(mb == m)], merge_prefixes=False)]
-               for m in range(M) if (mb == m).any()]
+        return list(filter(None, p.microbatches(trees, 0)))     # the planner may leave a microbatch empty
+    order = list(range(len(trajs)))
+    if shuffle is not None:
+        random.Random(shuffle).shuffle(order)
+    lens = np.array([len(trajs[i]) for i in order], np.int64)
+    if lens.max() > args.capacity:
+        raise ValueError(f"a trajectory of {lens.max()} tokens exceeds --capacity {args.capacity}")
+    _, mb, M = assign(lens.astype(np.float64), lens, dp_size=1, capacity=args.capacity, refine=shuffle is None)
+    if shuffle is not None:          # rerun: a different composition (round robin of the shuffled order)
+        mb = np.arange(len(order)) % M
+    return [[RolloutTree([trajs[order[i]] for i in np.flatnonzero(mb == m)], merge_prefixes=False)]
+            for m in range(M) if (mb == m).any()]
+
+
+def device_pack(trees: list, side: str, args, rng: np.random.Generator, device, pad: int | None = None) -> tuple[dict, float]:
+    """One microbatch's device pack and loss weights: (microbatch dict, seconds of host-to-device
+    copies). ``pad``: tokens of the dummy chain appended (default: up to ``--pad-multiple``)."""
+    chains = side != "harts"
+    if pad is None:
+        trees, pad = pad_to(trees, args.pad_multiple, args.vocab, rng, chains=chains)
+    elif pad:
+        dummy = make_trajectory(0, rng.integers(1, args.vocab, size=pad), traj_id="__pad__", loss_mask=np.zeros(pad, bool))
+        trees = trees + [RolloutTree([dummy], merge_prefixes=not chains)]
+    pk = pack(trees, chunk_size=args.chunk_size)
+    rounds = chunk_plan(pk, args.chunk_size).num_rounds      # host plan, shared by the device copy
+    real = [r for r in pk.trajectories if r.traj_id != "__pad__"]
+    w = [torch.from_numpy(np.asarray(r.loss_mask[1:], np.float32) * np.float32(r.advantage or 0.0))
+         for r in pk.trajectories]
+    t_copy = time.perf_counter()
+    pk, w = pk.to(device), [x.to(device) for x in w]
+    copy_s = time.perf_counter() - t_copy
+    return dict(pack=pk, weights=w, pad=pad, ids=[r.traj_id for r in pk.trajectories],
+                traj_tokens=sum(len(r) for r in real), compact=pk.num_tokens - pad, rounds=rounds), copy_s
+
+
+def microbatches(trajs: list, side: str, args, cost_model, device, shuffle: int | None = None,
+                 times: dict | None = None) -> list[dict]:
+    """Device packs of one side (:func:`plan_side`, :func:`device_pack`). ``times`` (if given) gets
+    the host milliseconds of ``plan`` (planner / LPT), ``pack`` (tree layout + chunk plans, numpy)
+    and ``copy`` (host-to-device copies of packs and loss weights)."""
+    rng = np.random.default_rng(args.seed)
+    t_plan = time.perf_counter()
+    mbs = plan_side(trajs, side, args, cost_model, shuffle)
     t_pack = time.perf_counter()
     out, copy_s = [], 0.0
-    for trees in filter(None, mbs):     # the planner may leave a microbatch empty
-        trees, pad = pad_to(trees, args.pad_multiple, args.vocab, rng, chains=side != "harts")
-        pk = pack(trees, chunk_size=args.chunk_size)
-        rounds = chunk_plan(pk, args.chunk_size).num_rounds      # host plan, shared by the device copy
-        real = [r for r in pk.trajectories if r.traj_id != "__pad__"]
-        w = [torch.from_numpy(np.asarray(r.loss_mask[1:], np.float32) * np.float32(r.advantage or 0.0))
-             for r in pk.trajectories]
-        t_copy = time.perf_counter()
-        pk, w = pk.to(device), [x.to(device) for x in w]
-        copy_s += time.perf_counter() - t_copy
-        out.append(dict(pack=pk, weights=w, pad=pad, ids=[r.traj_id for r in pk.trajectories],
-                        traj_tokens=sum(len(r) for r in real), compact=pk.num_tokens - pad, rounds=rounds))
+    for trees in mbs:
+        mb, s = device_pack(trees, side, args, rng, device)
+        out.append(mb)
+        copy_s += s
     if times is not None:
         t_sync = time.perf_counter()
         if device.type == "cuda":
@@ -163,6 +180,28 @@ def microbatches(trajs: list, side: str, args, cost_model, device, shuffle: int 
         t_end = time.perf_counter()
         copy_s += t_end - t_sync
         times.update(plan=1e3 * (t_pack - t_plan), pack=1e3 * (t_end - t_pack - copy_s), copy=1e3 * copy_s)
+    return out
+
+
+#: Triton specialises a kernel's integer arguments on divisibility by 16 (one compiled variant per
+#: class); fla's conv and GDN kernels take a pack's token count ``T`` (and multiples of it) as such.
+SPECIALISE_MOD = 16
+
+
+def specialisation_packs(trajs: list, side: str, args, cost_model, device) -> list[dict]:
+    """The first microbatch of ``side`` on batch ``trajs``, packed once per residue class of its token
+    count that Triton tells apart (``T % 16 == 0`` and ``!= 0``, :data:`SPECIALISE_MOD`), by
+    appending a dummy chain (loss weight 0) of the tokens that put ``T`` in that class. A
+    warm-up on these compiles both variants of every kernel whose arguments carry ``T``: training
+    meets both classes within its first steps, the timed steps of a bench with one warm-up batch of
+    one or two HARTS microbatches otherwise might not (the H100 run of 206002d compiled fla's
+    ``causal_conv1d_fwd_kernel`` inside a timed HARTS step: 2.7 s against 0.76 s)."""
+    rng = np.random.default_rng(args.seed)
+    trees = plan_side(trajs, side, args, cost_model)[0]
+    T = sum(t.num_tokens for t in trees) if side == "harts" else sum(len(r) for t in trees for r in t.records)
+    out = []
+    for residue in (0, SPECIALISE_MOD // 2):
+        out.append(device_pack(trees, side, args, rng, device, pad=(residue - T) % SPECIALISE_MOD)[0])
     return out
 
 
@@ -342,10 +381,40 @@ def _gc_clock(phase: str, info: dict) -> None:
 gc.callbacks.append(_gc_clock)
 
 
+#: Names of the Triton kernels compiled in this process, in order (:func:`count_triton_compiles`).
+TRITON_COMPILED: list[str] = []
+
+
+def count_triton_compiles() -> bool:
+    """Record every Triton JIT compilation (a kernel-cache miss of a ``@triton.jit`` function: a new
+    kernel, a new specialisation of its arguments, or an autotuner trying its configs; loading a
+    kernel from Triton's disk cache counts too) in :data:`TRITON_COMPILED`, through Triton's
+    ``knobs.runtime.jit_post_compile_hook``, chained after any hook already set. torch.compile's
+    graph count (``compiles``) does not see these: fla's kernels are plain Triton. Returns False
+    where this Triton has no such hook (nothing recorded then)."""
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        prev = runtime.jit_post_compile_hook
+    except Exception:                 # no Triton, or one without knobs
+        return False
+    if getattr(prev, "_harts_counter", False):
+        return True
+
+    def hook(*args, **kw):
+        TRITON_COMPILED.append(str(getattr(kw.get("fn"), "name", "?")))
+        return prev(*args, **kw) if prev is not None else None
+
+    hook._harts_counter = True
+    runtime.jit_post_compile_hook = hook
+    return True
+
+
 def stall_counts() -> dict:
     """Host-side running counts of what can stall a step besides the GPU: ``compiles`` (graphs that
     torch.compile / dynamo compiled: FlexAttention, block masks, Megatron's ``jit_fuser`` functions;
-    a new one inside a timed step is compilation, not training), ``gc_ms`` / ``gc_full`` (time in
+    a new one inside a timed step is compilation, not training), ``triton_compiles`` (Triton kernels
+    compiled, :func:`count_triton_compiles`: fla's kernels meeting a new specialisation), ``gc_ms`` / ``gc_full`` (time in
     and number of full Python garbage collections), ``thread_cpu_ms`` (CPU time of the issuing thread:
     near the step's wall time, the host computed all along; far below it while ``issue_ms`` is near
     the wall, the host was blocked, e.g. on a full launch queue behind a slow GPU, or descheduled).
@@ -355,7 +424,8 @@ def stall_counts() -> dict:
         compiles = counters["stats"]["unique_graphs"]
     except Exception:                # dynamo unavailable: not counted
         compiles = 0
-    return dict(compiles=compiles, gc_ms=_GC["ms"], gc_full=_GC["full"], thread_cpu_ms=1e3 * time.thread_time())
+    return dict(compiles=compiles, triton_compiles=len(TRITON_COMPILED), gc_ms=_GC["ms"], gc_full=_GC["full"],
+                thread_cpu_ms=1e3 * time.thread_time())
 
 
 # Clock-event ("throttle") reason bits of nvidia-smi's clocks_throttle_reasons.active / clocks_event_reasons.active
@@ -680,9 +750,11 @@ def batch_seeds(args) -> tuple[list[int], list[int]]:
 
 
 def _step_note(st: dict) -> str:
-    """``'705 ms (host 9)'``, plus what stalled the step if anything did (compiles, gc, allocator retries,
-    GPU clock events such as a power cap)."""
+    """``'705 ms (host 9)'``, plus what stalled the step if anything did (compiles, Triton kernels
+    compiled, gc, allocator retries, GPU clock events such as a power cap)."""
     extra = [f"{st[k]} {k}" for k in ("compiles", "alloc_retries") if st.get(k)]
+    if st.get("triton_compiles"):
+        extra.append(f"{st['triton_compiles']} triton_compiles ({', '.join(st.get('triton_kernels') or [])})")
     if st.get("gc_ms", 0) >= 1:
         extra.append(f"gc {st['gc_ms']:.0f} ms")
     if st.get("clock_events"):
@@ -728,6 +800,7 @@ def timed_steps(model, label: str, batches: dict[int, list], timed: list[int], a
         wall = 1e3 * (t1 - t0)                             # train_step ends with a device sync
         allocs = {name: n - alloc0[name] for name, n in alloc_counts(device).items()}
         allocs.update({name: n - stall0[name] for name, n in stall_counts().items()})
+        allocs["triton_kernels"] = sorted(set(TRITON_COMPILED[stall0["triton_compiles"]:]))
         if _SAMPLER is not None:                           # the GPU's clocks during the step
             allocs.update(_SAMPLER.window(t0, t1))
         if _STACKS is not None:                            # where the host thread was during it
@@ -793,6 +866,15 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
             took[side] = time.perf_counter() - t0
         log(f"{model_name} {wl}: warm-up batch {i + 1}/{len(warm)}: " +    # compilation / autotuning: which side
             ", ".join(f"{s} {t:.1f} s" for s, t in took.items()))
+    if warm:      # both classes of Triton's integer specialisation of the token count, both sides alike
+        t0, n0 = time.perf_counter(), len(TRITON_COMPILED)
+        a = argparse.Namespace(**{**vars(args), "seed": warm[-1]})
+        for side in ("baseline", "harts"):
+            for mb in specialisation_packs(batches[warm[-1]], side, a, cm, device):
+                run_mb(model, mb, norm_of(batches[warm[-1]]))[0].backward()
+        clock.sync()
+        log(f"{model_name} {wl}: warm-up of token counts = 0 / 8 mod {SPECIALISE_MOD}: {time.perf_counter() - t0:.1f} s, "
+            f"{len(TRITON_COMPILED) - n0} Triton kernels compiled")
     # FlexAttention compiles per padded pack length; training has compiled every length it meets
     # after its first steps, so the timed batches' lengths are compiled here, on packs of a planning
     # pass that is thrown away (the timed steps plan, pack and build block masks again).
@@ -1163,7 +1245,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = cpu_shim.cpu_megatron(seed=args.seed)
     if not args.no_step_samplers:
         _STACKS = HostStackSampler()
-    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+    triton_counted = count_triton_compiles()      # steps' triton_compiles (fla's kernels are plain Triton)
+    meta = dict(triton_compiles_counted=triton_counted, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 chunk_size=args.chunk_size, max_steps=args.max_steps, pad_multiple=args.pad_multiple,
                 vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv, fresh_batches=not args.same_batch,
                 grouped_experts=args.grouped_experts, moe_dispatcher=args.moe_dispatcher,

@@ -70,12 +70,14 @@ case "$step" in
              command -v bwrap >/dev/null || { [ -d .bw ] && mkdir -p /tmp/bw && for f in .bw/*.deb; do dpkg -x "$f" /tmp/bw; done; } || true
              PATH=/tmp/bw/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/bw/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
                python3 scripts/gpu_rl.py --out "$OUT" "$@" ;;   # SGLang: --engine-env PYTHONPATH=/tmp/site
-  text-model) command -v bwrap >/dev/null || { [ -d .bw ] && for f in .bw/*.deb; do dpkg -x "$f" /tmp/bw; done; } || true
+  text-model) command -v bwrap >/dev/null || { [ -d .bw ] && mkdir -p /tmp/bw && for f in .bw/*.deb; do dpkg -x "$f" /tmp/bw; done; } || true
                PATH=/tmp/bw/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/bw/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
                python3 -m megatron_harts.rollout.text_model --device cuda --out "$OUT/text_model" --moe --dtype bfloat16 \
                --hidden-size 512 --num-layers 8 --head-dim 64 --seq-len 1024 --batch 32 --lr 1e-3 --lr-decay cosine \
                --agent-tasks 16 --agent-samples 3 --agent-fraction 0.125 \
-               --minutes 2.75 --wall-minutes 3.8 --export-every-minutes 1 "$@" ;;
+               --minutes 2.75 --wall-minutes 6.5 --export-every-minutes 1 "$@" ;;
+             # (the minutes count after the first step; on a bare H100 on 2026-12-07 that step took 115 s and
+             #  the old 3.8-minute wall stopped training after it: give the call 420 s on a bare machine)
   libra)     [ -d /tmp/harts_site ] && export PYTHONPATH=/tmp/harts_site:$PWD${PYTHONPATH:+:$PYTHONPATH}   # trainer: Triton 3.7.1, fla, mcore
              python3 scripts/libra_colocated_h200.py --out "$OUT" "$@" ;;   # SGLang: --engine-env PYTHONPATH=/tmp/site
   libra-calibrate) [ -d /tmp/harts_site ] && export PYTHONPATH=/tmp/harts_site:$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -42,6 +42,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
             assert x["wall_ms"] >= x["host_ms"] + x["grad_ms"] > 0 and x["plan_ms"] >= 0 and x["pack_ms"] > 0
             assert x["host_ms"] < x["issue_ms"] <= x["wall_ms"]     # the host issued after it packed, before the sync
             assert x["compiles"] == 0 and 0 <= x["gc_ms"] <= x["wall_ms"] and x["gc_full"] >= 0  # dynamo off here
+            assert x["triton_compiles"] == len(x["triton_kernels"]) == 0   # warmed up (and interpreted on CPU)
             assert 0 < x["thread_cpu_ms"]
             assert all(n >= 1 and ":" in p for p, n in x["host_places"])  # sampled places (none if under 50 ms)
         for side in ("baseline", "harts"):
@@ -60,6 +61,8 @@ def test_bench_e2e_cpu_smoke(tmp_path):
             assert [x["seed"] for x in e[side]["steps"]] == [x["seed"] for x in main]
             assert [x["compact_tokens"] for x in e[side]["steps"]] == [x["compact_tokens"] for x in main]
         assert abs(e["speedup"] - e["baseline"]["wall_ms"]["median"] / e["harts"]["wall_ms"]["median"]) < 1e-9
+    # both classes of Triton's specialisation of the token count were warmed up, on both sides, per row
+    assert res.stderr.count("warm-up of token counts = 0 / 8 mod 16") == len(rows)
     # the host sampler ran through the steps (every 50 ms): the longer steps name where the host was
     assert any(x["host_places"] for r in rows for side in ("baseline", "harts") for x in r[side]["steps"])
     plot = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_e2e.py"), "--plot",
@@ -371,3 +374,66 @@ def test_host_stack_sampler_names_the_innermost_own_frame_under_library_frames()
         "torch/_ops.py:1123 __call__ < megatron/core/ssm/gated_delta_net/common.py:432 _compute_g_and_beta"
     assert HostStackSampler.place(ours) == "megatron_harts/ops/tree_gdn.py:210 forward"     # own and innermost
     assert HostStackSampler.place(frame(sp + "torch/_ops.py", 1, "f")) == "torch/_ops.py:1 f"  # no own frame
+
+
+def test_specialisation_packs_put_the_token_count_in_each_class_with_a_weightless_dummy():
+    """Triton compiles a kernel once per divisibility class (by 16) of each integer argument; the
+    warm-up packs of each side are its first microbatch with a dummy chain that puts the pack's
+    token count at 0 and at 8 mod 16; the real trajectories and their weights are unchanged."""
+    import argparse
+
+    import numpy as np
+
+    from scripts.bench_e2e import SPECIALISE_MOD, cost_model_for, microbatches, specialisation_packs, workload
+
+    a = argparse.Namespace(tiny=True, seed=3, capacity=4096, chunk_size=16, pad_multiple=0, vocab=64, tiny_groups=2)
+    trajs = workload("tau", a)
+    cm = cost_model_for("dense", a)
+    for side in ("baseline", "harts"):
+        first = microbatches(trajs, side, a, cm, torch.device("cpu"))[0]
+        packs = specialisation_packs(trajs, side, a, cm, torch.device("cpu"))
+        assert [mb["pack"].num_tokens % SPECIALISE_MOD for mb in packs] == [0, SPECIALISE_MOD // 2]
+        for mb in packs:
+            real = [i for i in mb["ids"] if i != "__pad__"]
+            assert real == [i for i in first["ids"] if i != "__pad__"]
+            assert mb["pack"].num_tokens - mb["pad"] == first["pack"].num_tokens - first["pad"]
+            assert 0 <= mb["pad"] < SPECIALISE_MOD and mb["traj_tokens"] == first["traj_tokens"]
+            weights = dict(zip(mb["ids"], mb["weights"]))
+            for i, w in zip(first["ids"], first["weights"]):
+                if i != "__pad__":
+                    assert torch.equal(weights[i], w)
+            if mb["pad"]:
+                assert not weights["__pad__"].any()        # the dummy adds no loss
+        assert np.unique([mb["pack"].num_tokens for mb in packs]).size == 2
+
+
+def test_triton_compile_counter_chains_the_hook_and_names_kernels_per_step():
+    """Triton calls ``knobs.runtime.jit_post_compile_hook`` after each JIT compilation (no kernel
+    compiles on this CPU machine: fla's kernels run in Triton's interpreter, so the hook is called
+    here as Triton calls it, with its own ``JitFunctionInfo``); the counter keeps a hook already
+    set, installs once, and a step's note names the kernels compiled in it."""
+    import importlib.util
+
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    spec = importlib.util.spec_from_file_location("bench_e2e_tc", os.path.join(ROOT, "scripts", "bench_e2e.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    saved = knobs.runtime.jit_post_compile_hook
+    seen = []
+    try:
+        knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
+        assert bench.count_triton_compiles() and bench.count_triton_compiles()     # the second is a no-op
+        hook = knobs.runtime.jit_post_compile_hook
+        before = bench.stall_counts()["triton_compiles"]
+        for name in ("causal_conv1d_fwd_kernel", "chunk_fwd_kernel_h", "causal_conv1d_fwd_kernel"):
+            hook(key="k", repr="r", fn=JitFunctionInfo(None, name, None), compile={}, is_manual_warmup=False,
+                 already_compiled=False)
+        assert bench.stall_counts()["triton_compiles"] - before == 3
+        assert seen == ["causal_conv1d_fwd_kernel", "chunk_fwd_kernel_h", "causal_conv1d_fwd_kernel"]  # chained once
+        kernels = sorted(set(bench.TRITON_COMPILED[before:]))
+        note = bench._step_note(dict(wall_ms=2740.0, host_ms=12.0, triton_compiles=3, triton_kernels=kernels))
+        assert note == "2740 ms (host 12; 3 triton_compiles (causal_conv1d_fwd_kernel, chunk_fwd_kernel_h))"
+    finally:
+        knobs.runtime.jit_post_compile_hook = saved

@@ -104,3 +104,36 @@ def test_text_model_wall_limit_keeps_time_for_the_export(tmp_path, monkeypatch):
     r = tm.pretrain(_tiny(steps=0, minutes=5, wall_minutes=0.1), tmp_path, progress=False)
     assert r["steps"] == 0 and r["stop_reason"] == "wall_minutes" and r["error"] is None
     assert (tmp_path / "model" / "config.json").exists()
+
+
+def test_text_model_minutes_count_after_the_first_step(tmp_path, monkeypatch):
+    """The first step compiles (115 s on a bare H100, ~1 s a step after): ``minutes`` of training
+    count from its end, so a first step longer than the whole budget still leaves steps after it."""
+    import time
+
+    from megatron_harts.rollout.trainer import HartsTrainer
+
+    real, calls = HartsTrainer.train_step, []
+
+    def slow_first(self, batch):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            time.sleep(1.5)                    # the first step's compilation, longer than --minutes
+        return real(self, batch)
+    monkeypatch.setattr(HartsTrainer, "train_step", slow_first)
+    r = tm.pretrain(_tiny(steps=0, minutes=0.5 / 60, lr_decay="cosine"), tmp_path, progress=False)
+    assert r["stop_reason"] == "minutes" and r["steps"] >= 2 and len(calls) == r["steps"], r
+    lrs = [x["lr"] for x in r["log"]]
+    assert lrs[1] > 0.5 * max(lrs), lrs        # the time-based schedule starts after the first step
+
+
+def test_wall_rule_predicts_the_next_step_from_the_steps_after_the_first():
+    """No step may end past the wall; the next step's time is the slowest of the last five steps
+    after the first (the first compiles)."""
+    wall_end, reserve = 100.0, 20.0
+    assert not tm._past_wall(50.0, [115.0], reserve, wall_end)            # only the compiling step: try one
+    assert not tm._past_wall(50.0, [115.0, 1.0, 2.0], reserve, wall_end)
+    assert tm._past_wall(79.5, [115.0, 1.0, 2.0], reserve, wall_end)       # 79.5 + 2 + 20 > 100
+    assert tm._past_wall(81.0, [], reserve, wall_end)                      # the reserve alone does not fit
+    assert tm._past_wall(50.0, [1.0] + [1.0, 40.0, 1.0, 1.0, 1.0], reserve, wall_end)   # 40 s within the last five
+    assert not tm._past_wall(50.0, [1.0] + [40.0, 1.0, 1.0, 1.0, 1.0, 1.0], reserve, wall_end)  # older than five

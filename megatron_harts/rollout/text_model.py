@@ -78,7 +78,7 @@ class TextModelConfig:
     value heads, half as many KV and GDN key heads; SGLang's kernels are exercised at 64 / 128,
     so use 64 for a checkpoint it serves); ``seq_len``: bytes per text window; ``batch``: windows
     (and episodes) per step; ``steps`` and/or ``minutes`` of training after the setup (whichever
-    ends first; 0 = no limit); ``wall_minutes``: the whole process (imports, data, training, final
+    ends first; 0 = no limit; ``minutes`` count from the end of the first step, which compiles); ``wall_minutes``: the whole process (imports, data, training, final
     evaluation, export) ends within this (0 = no limit); ``lr_decay``: ``none`` or ``cosine`` (to
     ``min_lr_ratio`` at the step / time budget's end); ``agent_family``: ``code_repair`` or
     ``None``; ``agent_tasks`` x ``agent_samples`` scripted episodes, ``agent_fraction`` of each
@@ -351,7 +351,9 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
         log, step, step_times = [], 0, []
         t0 = time.perf_counter()
         timing["setup_s"] = t0 - t_enter
-        deadline = t0 + cfg.minutes * 60 if cfg.minutes > 0 else math.inf
+        # ``minutes`` of training count from the end of the first step: on a bare GPU machine that step
+        # compiles and autotunes fla's kernels (115 s on an H100 on 2026-12-07, against ~1 s a step after)
+        deadline, t_sched = math.inf, t0          # t_sched: where the time-based lr schedule starts
 
         def reserve() -> float:
             """Seconds kept for the final evaluation and export (their last measured times)."""
@@ -364,7 +366,7 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
             frac = step / cfg.steps if cfg.steps > 0 else 0.0
             end = min(deadline, wall_end - reserve())
             if end < math.inf:
-                frac = max(frac, (now - t0) / max(1e-9, end - t0))
+                frac = max(frac, (now - t_sched) / max(1e-9, end - t_sched))
             frac = min(1.0, frac)
             return lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
@@ -384,7 +386,7 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
                 if now >= deadline:
                     stop_reason = "minutes"
                     break
-                if now + max(step_times[-5:], default=0.0) + reserve() > wall_end:   # no step past the wall
+                if _past_wall(now, step_times, reserve(), wall_end):   # no step past the wall
                     stop_reason = "wall_minutes"
                     break
                 lr = lr_at(step, now)
@@ -423,6 +425,9 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
                                                error=None, agent_error=agent_error, complete=False))
                     last_export = time.perf_counter()
                 step_times.append(time.perf_counter() - now)
+                if step == 1 and cfg.minutes > 0:
+                    t_sched = time.perf_counter()
+                    deadline = t_sched + cfg.minutes * 60
             wall = time.perf_counter() - t0
             bpb1 = None
             try:
@@ -451,6 +456,14 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
                 "?" if bpb1 is None else f"{bpb1:.3f}", model_dir, timing["process_s"],
                 f"; ERROR {error}" if error else "")
     return result
+
+
+def _past_wall(now: float, step_times: list[float], reserve_s: float, wall_end: float) -> bool:
+    """Whether one more step would end past ``wall_end`` (seconds, ``perf_counter``) with ``reserve_s``
+    kept for the final evaluation and export. The next step is predicted by the slowest of the last
+    five steps after the first: the first compiles and autotunes, and its time (115 s on a bare H100
+    on 2026-12-07, against ~1 s after) would stop training after one step."""
+    return now + max(step_times[1:][-5:], default=0.0) + reserve_s > wall_end
 
 
 def _result(cfg, hf, params, steps, wall, corpus, episodes, bpb0, bpb1, model_dir, log, timing, *, stop_reason,
