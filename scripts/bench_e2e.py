@@ -138,14 +138,16 @@ def plan_side(trajs: list, side: str, args, cost_model, shuffle: int | None = No
             for m in range(M) if (mb == m).any()]
 
 
-def device_pack(trees: list, side: str, args, rng: np.random.Generator, device, pad: int | None = None) -> tuple[dict, float]:
+def device_pack(trees: list, side: str, args, rng: np.random.Generator, device,
+                pad: int | None = None) -> tuple[dict, float]:
     """One microbatch's device pack and loss weights: (microbatch dict, seconds of host-to-device
     copies). ``pad``: tokens of the dummy chain appended (default: up to ``--pad-multiple``)."""
     chains = side != "harts"
     if pad is None:
         trees, pad = pad_to(trees, args.pad_multiple, args.vocab, rng, chains=chains)
     elif pad:
-        dummy = make_trajectory(0, rng.integers(1, args.vocab, size=pad), traj_id="__pad__", loss_mask=np.zeros(pad, bool))
+        dummy = make_trajectory(0, rng.integers(1, args.vocab, size=pad), traj_id="__pad__",
+                                loss_mask=np.zeros(pad, bool))
         trees = trees + [RolloutTree([dummy], merge_prefixes=not chains)]
     pk = pack(trees, chunk_size=args.chunk_size)
     rounds = chunk_plan(pk, args.chunk_size).num_rounds      # host plan, shared by the device copy
@@ -414,10 +416,11 @@ def stall_counts() -> dict:
     """Host-side running counts of what can stall a step besides the GPU: ``compiles`` (graphs that
     torch.compile / dynamo compiled: FlexAttention, block masks, Megatron's ``jit_fuser`` functions;
     a new one inside a timed step is compilation, not training), ``triton_compiles`` (Triton kernels
-    compiled, :func:`count_triton_compiles`: fla's kernels meeting a new specialisation), ``gc_ms`` / ``gc_full`` (time in
-    and number of full Python garbage collections), ``thread_cpu_ms`` (CPU time of the issuing thread:
-    near the step's wall time, the host computed all along; far below it while ``issue_ms`` is near
-    the wall, the host was blocked, e.g. on a full launch queue behind a slow GPU, or descheduled).
+    compiled, :func:`count_triton_compiles`: fla's kernels meeting a new specialisation), ``gc_ms`` /
+    ``gc_full`` (time in and number of full Python garbage collections), ``thread_cpu_ms`` (CPU time
+    of the issuing thread: near the step's wall time, the host computed all along; far below it while
+    ``issue_ms`` is near the wall, the host was blocked, e.g. on a full launch queue behind a slow GPU,
+    descheduled, or waiting on a compiler's child process such as ``ptxas``).
     A step's delta says which one it met."""
     try:
         from torch._dynamo.utils import counters
@@ -873,8 +876,8 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
             for mb in specialisation_packs(batches[warm[-1]], side, a, cm, device):
                 run_mb(model, mb, norm_of(batches[warm[-1]]))[0].backward()
         clock.sync()
-        log(f"{model_name} {wl}: warm-up of token counts = 0 / 8 mod {SPECIALISE_MOD}: {time.perf_counter() - t0:.1f} s, "
-            f"{len(TRITON_COMPILED) - n0} Triton kernels compiled")
+        log(f"{model_name} {wl}: warm-up of token counts = 0 / 8 mod {SPECIALISE_MOD}: "
+            f"{time.perf_counter() - t0:.1f} s, {len(TRITON_COMPILED) - n0} Triton kernels compiled")
     # FlexAttention compiles per padded pack length; training has compiled every length it meets
     # after its first steps, so the timed batches' lengths are compiled here, on packs of a planning
     # pass that is thrown away (the timed steps plan, pack and build block masks again).
@@ -1246,7 +1249,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_step_samplers:
         _STACKS = HostStackSampler()
     triton_counted = count_triton_compiles()      # steps' triton_compiles (fla's kernels are plain Triton)
-    meta = dict(triton_compiles_counted=triton_counted, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+    meta = dict(triton_compiles_counted=triton_counted,
+                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 chunk_size=args.chunk_size, max_steps=args.max_steps, pad_multiple=args.pad_multiple,
                 vocab=args.vocab, argv=sys.argv[1:] if argv is None else argv, fresh_batches=not args.same_batch,
                 grouped_experts=args.grouped_experts, moe_dispatcher=args.moe_dispatcher,
