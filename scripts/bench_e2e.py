@@ -186,13 +186,16 @@ def microbatches(trajs: list, side: str, args, cost_model, device, shuffle: int 
 
 
 #: Triton specialises a kernel's integer arguments on divisibility by 16 (one compiled variant per
-#: class); fla's conv and GDN kernels take a pack's token count ``T`` (and multiples of it) as such.
+#: class); fla's conv kernels take a pack's token count ``T`` (and multiples of it) as such.
 SPECIALISE_MOD = 16
+#: the token-count classes warmed up: 0 and 1 mod 16 (an odd ``T`` keeps every ``k * T`` with
+#: ``k`` not a multiple of 16 undivisible too; ``T`` >= 17, so never Triton's ``== 1`` case)
+SPECIALISE_RESIDUES = (0, 1)
 
 
 def specialisation_packs(trajs: list, side: str, args, cost_model, device) -> list[dict]:
     """The first microbatch of ``side`` on batch ``trajs``, packed once per residue class of its token
-    count that Triton tells apart (``T % 16 == 0`` and ``!= 0``, :data:`SPECIALISE_MOD`), by
+    count that Triton tells apart (``T % 16 == 0`` and ``!= 0``: :data:`SPECIALISE_RESIDUES`), by
     appending a dummy chain (loss weight 0) of the tokens that put ``T`` in that class. A
     warm-up on these compiles both variants of every kernel whose arguments carry ``T``: training
     meets both classes within its first steps, the timed steps of a bench with one warm-up batch of
@@ -202,7 +205,7 @@ def specialisation_packs(trajs: list, side: str, args, cost_model, device) -> li
     trees = plan_side(trajs, side, args, cost_model)[0]
     T = sum(t.num_tokens for t in trees) if side == "harts" else sum(len(r) for t in trees for r in t.records)
     out = []
-    for residue in (0, SPECIALISE_MOD // 2):
+    for residue in SPECIALISE_RESIDUES:
         out.append(device_pack(trees, side, args, rng, device, pad=(residue - T) % SPECIALISE_MOD)[0])
     return out
 
@@ -876,7 +879,7 @@ def bench_row_fresh(model, model_name: str, recompute: bool, wl: str, batches: d
             for mb in specialisation_packs(batches[warm[-1]], side, a, cm, device):
                 run_mb(model, mb, norm_of(batches[warm[-1]]))[0].backward()
         clock.sync()
-        log(f"{model_name} {wl}: warm-up of token counts = 0 / 8 mod {SPECIALISE_MOD}: "
+        log(f"{model_name} {wl}: warm-up of token counts = 0 / 1 mod {SPECIALISE_MOD}: "
             f"{time.perf_counter() - t0:.1f} s, {len(TRITON_COMPILED) - n0} Triton kernels compiled")
     # FlexAttention compiles per padded pack length; training has compiled every length it meets
     # after its first steps, so the timed batches' lengths are compiled here, on packs of a planning

@@ -131,7 +131,9 @@ def test_wall_rule_predicts_the_next_step_from_the_steps_after_the_first():
     """No step may end past the wall; the next step's time is the slowest of the last five steps
     after the first (the first compiles)."""
     wall_end, reserve = 100.0, 20.0
-    assert not tm._past_wall(50.0, [115.0], reserve, wall_end)            # only the compiling step: try one
+    assert not tm._past_wall(40.0, [115.0], reserve, wall_end)            # only the compiling step: 30 s for
+    assert tm._past_wall(60.0, [115.0], reserve, wall_end)                 # the next (60 + 30 + 20 > 100)
+    assert not tm._past_wall(70.0, [5.0], reserve, wall_end)               # or the first's time if shorter
     assert not tm._past_wall(50.0, [115.0, 1.0, 2.0], reserve, wall_end)
     assert tm._past_wall(79.5, [115.0, 1.0, 2.0], reserve, wall_end)       # 79.5 + 2 + 20 > 100
     assert tm._past_wall(81.0, [], reserve, wall_end)                      # the reserve alone does not fit

@@ -78,7 +78,8 @@ class TextModelConfig:
     value heads, half as many KV and GDN key heads; SGLang's kernels are exercised at 64 / 128,
     so use 64 for a checkpoint it serves); ``seq_len``: bytes per text window; ``batch``: windows
     (and episodes) per step; ``steps`` and/or ``minutes`` of training after the setup (whichever
-    ends first; 0 = no limit; ``minutes`` count from the end of the first step, which compiles); ``wall_minutes``: the whole process (imports, data, training, final
+    ends first; 0 = no limit; ``minutes`` count from the end of the first step, which compiles,
+    as does a time-based lr schedule); ``wall_minutes``: the whole process (imports, data, training, final
     evaluation, export) ends within this (0 = no limit); ``lr_decay``: ``none`` or ``cosine`` (to
     ``min_lr_ratio`` at the step / time budget's end); ``agent_family``: ``code_repair`` or
     ``None``; ``agent_tasks`` x ``agent_samples`` scripted episodes, ``agent_fraction`` of each
@@ -425,9 +426,9 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
                                                error=None, agent_error=agent_error, complete=False))
                     last_export = time.perf_counter()
                 step_times.append(time.perf_counter() - now)
-                if step == 1 and cfg.minutes > 0:
+                if step == 1:        # the first step compiled: budget and schedule start after it
                     t_sched = time.perf_counter()
-                    deadline = t_sched + cfg.minutes * 60
+                    deadline = t_sched + cfg.minutes * 60 if cfg.minutes > 0 else math.inf
             wall = time.perf_counter() - t0
             bpb1 = None
             try:
@@ -462,8 +463,11 @@ def _past_wall(now: float, step_times: list[float], reserve_s: float, wall_end: 
     """Whether one more step would end past ``wall_end`` (seconds, ``perf_counter``) with ``reserve_s``
     kept for the final evaluation and export. The next step is predicted by the slowest of the last
     five steps after the first: the first compiles and autotunes, and its time (115 s on a bare H100
-    on 2026-12-07, against ~1 s after) would stop training after one step."""
-    return now + max(step_times[1:][-5:], default=0.0) + reserve_s > wall_end
+    on 2026-12-07, against ~1 s after) would stop training after one step. With only the first
+    timed, the second is taken as up to 30 s (it may compile too: a new pack length)."""
+    later = step_times[1:][-5:]
+    predicted = max(later) if later else min(step_times[0], 30.0) if step_times else 0.0
+    return now + predicted + reserve_s > wall_end
 
 
 def _result(cfg, hf, params, steps, wall, corpus, episodes, bpb0, bpb1, model_dir, log, timing, *, stop_reason,
