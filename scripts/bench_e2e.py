@@ -108,10 +108,12 @@ def workload(name: str, args) -> list:
     raise ValueError(f"unknown workload {name!r}")
 
 
-def pad_to(trees: list, multiple: int, vocab: int, rng: np.random.Generator, chains: bool) -> tuple[list, int]:
-    """Trees (a microbatch) plus a dummy chain that rounds its token count up to ``multiple``."""
+def pad_to(trees: list, multiple: int, vocab: int, rng: np.random.Generator, chains: bool,
+           residue: int = 0) -> tuple[list, int]:
+    """Trees (a microbatch) plus a dummy chain (loss weight 0) of the fewest tokens that make its token
+    count ``residue`` modulo ``multiple`` (default: round it up to a multiple; 0: no padding)."""
     T = sum(t.num_tokens for t in trees) if not chains else sum(len(r) for t in trees for r in t.records)
-    pad = (-T) % multiple if multiple else 0
+    pad = (residue - T) % multiple if multiple else 0
     if pad == 0:
         return trees, 0
     dummy = make_trajectory(0, rng.integers(1, vocab, size=pad), traj_id="__pad__", loss_mask=np.zeros(pad, bool))
@@ -138,17 +140,13 @@ def plan_side(trajs: list, side: str, args, cost_model, shuffle: int | None = No
             for m in range(M) if (mb == m).any()]
 
 
-def device_pack(trees: list, side: str, args, rng: np.random.Generator, device,
-                pad: int | None = None) -> tuple[dict, float]:
+def device_pack(trees: list, side: str, args, rng: np.random.Generator, device, multiple: int | None = None,
+                residue: int = 0) -> tuple[dict, float]:
     """One microbatch's device pack and loss weights: (microbatch dict, seconds of host-to-device
-    copies). ``pad``: tokens of the dummy chain appended (default: up to ``--pad-multiple``)."""
-    chains = side != "harts"
-    if pad is None:
-        trees, pad = pad_to(trees, args.pad_multiple, args.vocab, rng, chains=chains)
-    elif pad:
-        dummy = make_trajectory(0, rng.integers(1, args.vocab, size=pad), traj_id="__pad__",
-                                loss_mask=np.zeros(pad, bool))
-        trees = trees + [RolloutTree([dummy], merge_prefixes=not chains)]
+    copies). Padded by :func:`pad_to` to ``residue`` modulo ``multiple`` tokens (default
+    ``--pad-multiple``)."""
+    multiple = args.pad_multiple if multiple is None else multiple
+    trees, pad = pad_to(trees, multiple, args.vocab, rng, chains=side != "harts", residue=residue)
     pk = pack(trees, chunk_size=args.chunk_size)
     rounds = chunk_plan(pk, args.chunk_size).num_rounds      # host plan, shared by the device copy
     real = [r for r in pk.trajectories if r.traj_id != "__pad__"]
@@ -203,11 +201,8 @@ def specialisation_packs(trajs: list, side: str, args, cost_model, device) -> li
     ``causal_conv1d_fwd_kernel`` inside a timed HARTS step: 2.7 s against 0.76 s)."""
     rng = np.random.default_rng(args.seed)
     trees = plan_side(trajs, side, args, cost_model)[0]
-    T = sum(t.num_tokens for t in trees) if side == "harts" else sum(len(r) for t in trees for r in t.records)
-    out = []
-    for residue in SPECIALISE_RESIDUES:
-        out.append(device_pack(trees, side, args, rng, device, pad=(residue - T) % SPECIALISE_MOD)[0])
-    return out
+    return [device_pack(trees, side, args, rng, device, multiple=SPECIALISE_MOD, residue=r)[0]
+            for r in SPECIALISE_RESIDUES]
 
 
 # ------------------------------------------------------------------------------------------------ model

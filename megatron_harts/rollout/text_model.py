@@ -353,7 +353,7 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
         t0 = time.perf_counter()
         timing["setup_s"] = t0 - t_enter
         # ``minutes`` of training count from the end of the first step: on a bare GPU machine that step
-        # compiles and autotunes fla's kernels (115 s on an H100 on 2026-12-07, against ~1 s a step after)
+        # builds fla's Triton kernels (115 s on an H100 on 2026-12-07, against ~1 s a step after)
         deadline, t_sched = math.inf, t0          # t_sched: where the time-based lr schedule starts
 
         def reserve() -> float:
@@ -462,7 +462,7 @@ def pretrain(cfg: TextModelConfig, out: str | Path, *, progress: bool = True) ->
 def _past_wall(now: float, step_times: list[float], reserve_s: float, wall_end: float) -> bool:
     """Whether one more step would end past ``wall_end`` (seconds, ``perf_counter``) with ``reserve_s``
     kept for the final evaluation and export. The next step is predicted by the slowest of the last
-    five steps after the first: the first compiles and autotunes, and its time (115 s on a bare H100
+    five steps after the first: the first builds the kernels, and its time (115 s on a bare H100
     on 2026-12-07, against ~1 s after) would stop training after one step. With only the first
     timed, the second is taken as up to 30 s (it may compile too: a new pack length)."""
     later = step_times[1:][-5:]
