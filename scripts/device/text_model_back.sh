@@ -9,7 +9,7 @@
 # carried to the next machine instead of training again.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-: "${OUT:?OUT (the device call's output folder)}"
+: "${OUT:?set OUT to the output folder of the device call}"
 back=$OUT
 bash scripts/device/install_harts.sh .tw4 .whl >/dev/null || { echo "[text_model_back] install failed" >&2; exit 1; }
 export PYTHONPATH=/tmp/harts_site:$PWD
