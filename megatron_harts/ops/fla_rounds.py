@@ -196,8 +196,9 @@ def _round_state_grads_reference(q, k, w, do, dv, gc, inits, fr: FusedRounds, sc
 
 #: ``HARTS_FLA_FAST_LAUNCH=1``: the recurrence launches through :class:`_Launch`, on both sides
 #: (fla's own modules then hold the wrappers). Off by default: it re-implements the lookup of
-#: Triton's autotuner (checked against fla's key code on CPU, Triton 3.8) and has not run on the
-#: H200's Triton 3.7.1; ``scripts/bench_tree_gdn_host.py`` measures it there.
+#: Triton's autotuner (checked against fla's key code on CPU in Triton's interpreter, with Triton 3.8
+#: and with the H200's 3.7.1) and gave no end-to-end gain on the H200 (4021add, docs/benchmarks);
+#: ``scripts/bench_tree_gdn_host.py`` measures the op's host time there.
 FAST_LAUNCH = os.environ.get("HARTS_FLA_FAST_LAUNCH", "0") == "1"
 _REFERENCE = False
 
