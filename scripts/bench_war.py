@@ -134,7 +134,7 @@ def part_drafters_sampled(args) -> list[dict]:
     from megatron_harts.rollout.engines import EmbeddedServer
     from megatron_harts.rollout.war.replay import sampled_streams
 
-    from megatron_harts.rollout.war.replay import load_streams
+    from megatron_harts.rollout.war.replay import load_streams, save_streams
 
     t0 = time.perf_counter()
     if args.load_streams:                      # the streams of an earlier run (--save-streams)
@@ -151,12 +151,8 @@ def part_drafters_sampled(args) -> list[dict]:
             streams = sampled_streams(srv.engine(timeout=600), "code_repair", args.tasks, args.samples, args.steps,
                                       max_new_tokens=args.sampled_max_new_tokens, max_turns=args.sampled_max_turns)
     log.info("%d sampled streams in %.1f s", len(streams), time.perf_counter() - t0)
-    if args.save_streams:
-        Path(args.save_streams).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.save_streams, "w") as f:
-            for st in streams:
-                f.write(json.dumps({"traj_id": st.traj_id, "group": st.group, "step": st.step, "tokens": st.tokens,
-                                    "loss_mask": st.loss_mask}) + "\n")
+    if args.save_streams:                      # gzip when the name ends in .gz (it wrote plain JSONL before)
+        save_streams(streams, args.save_streams)
     src = args.load_streams or args.model_path
     rows = _replay_rows(args, streams, "drafters_sampled", f"code_repair sampled from {src}")
     return rows

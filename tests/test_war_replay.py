@@ -8,7 +8,10 @@ episode, labelled by round and task, whose model turns are the engine's own toke
 """
 import math
 
-from megatron_harts.rollout.war.replay import OursMethod, Stream, accepted, replay, sampled_streams
+import pytest
+
+from megatron_harts.rollout.war.replay import (OursMethod, Stream, accepted, load_streams, replay, sampled_streams,
+                                              save_streams)
 from megatron_harts.rollout.war.suffix import DrafterConfig
 
 
@@ -71,3 +74,20 @@ def test_sampled_streams_from_the_embedded_engine(tmp_path):
         assert len(s.tokens) == len(s.loss_mask) and 1 <= len(s.turns()) <= 2 and sum(s.loss_mask) >= 1
     r = replay(OursMethod(DrafterConfig(max_depth=16, budget=4)), streams)
     assert r.emitted == sum(sum(s.loss_mask) for s in streams) and r.accept_len >= 1.0
+
+
+@pytest.mark.parametrize("name", ["streams.jsonl", "streams.jsonl.gz"])
+def test_saved_streams_load_back_equal_and_gz_is_gzip(tmp_path, name):
+    """``save_streams`` -> ``load_streams`` is the identity; a ``.gz`` name gets a real gzip file
+    (``--save-streams`` once wrote plain JSONL under a ``.gz`` name, which ``load_streams`` rejects)."""
+    streams = [Stream([5, 6, 7, 8], [0, 0, 1, 1], "t0", 0, "s0/a"), Stream([5, 9], [0, 1], "t1", 2, "s2/b")]
+    path = tmp_path / name
+    save_streams(streams, str(path))
+    assert (path.read_bytes()[:2] == b"\x1f\x8b") == name.endswith(".gz")
+    back = load_streams(str(path))
+    assert [(s.tokens, s.loss_mask, s.group, s.step, s.traj_id) for s in back] == \
+        [(s.tokens, s.loss_mask, s.group, s.step, s.traj_id) for s in streams]
+    plain = tmp_path / "plain.jsonl.gz"
+    plain.write_text(path.read_text() if not name.endswith(".gz") else "{}\n")
+    with pytest.raises(ValueError, match="plain.jsonl.gz"):
+        load_streams(str(plain))

@@ -136,6 +136,21 @@ def sampled_streams(engine, family: str = "code_repair", n_tasks: int = 6, sampl
     return out
 
 
+def save_streams(streams: Sequence[Stream], path: str) -> None:
+    """Write ``streams`` as JSONL, one record per stream (``tokens``, ``loss_mask``, ``group``,
+    ``step``, ``traj_id``), gzip-compressed when ``path`` ends in ``.gz``: what
+    :func:`load_streams` reads back."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with (gzip.open(path, "wt") if str(path).endswith(".gz") else open(path, "w")) as f:
+        for st in streams:
+            f.write(json.dumps({"traj_id": st.traj_id, "group": st.group, "step": st.step, "tokens": list(st.tokens),
+                                "loss_mask": list(st.loss_mask)}) + "\n")
+
+
 def load_streams(path: str) -> list[Stream]:
     """Streams saved by ``scripts/bench_war.py --save-streams`` (JSONL, ``.gz`` allowed). A missing
     or unreadable file, or a line that is not such a record, raises ``ValueError`` naming the file,
