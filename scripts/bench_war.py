@@ -424,6 +424,32 @@ def _prebuild_ngram(env: dict, out: dict, timeout: float) -> None:
     out["s"] = round(time.perf_counter() - t0, 1)
 
 
+def gpu_name() -> str:
+    """The GPU the rows ran on, as CUDA names it (e.g. ``NVIDIA H100 80GB HBM3``): the part is named
+    after the target machine, but the device lent may be an H100; rows must say which."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception as e:                  # a broken torch install: say so rather than guess a GPU
+        log.warning("cannot read the GPU's name through torch: %s", e)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        name = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    except (OSError, subprocess.SubprocessError):
+        name = ""
+    return name or "GPU of unknown name"
+
+
+def _sglang_version() -> str:
+    try:
+        import sglang
+        return str(sglang.__version__)
+    except Exception:                       # the preflight already failed clearly when sglang is missing
+        return "(version unknown)"
+
+
 def part_h200(args, sink) -> None:
     """SGLang 0.5.17 on the GPU (see docs/war.md for the command). Rows go to ``sink.add`` as
     they are measured (the JSON is rewritten after each), so a run cut short keeps its rows.
@@ -442,7 +468,8 @@ def part_h200(args, sink) -> None:
     from megatron_harts.rollout.engines import SGLangServer
     from megatron_harts.rollout.war.router import RouterServer
     from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler, with_progress_priority
-    from megatron_harts.rollout.war.sglang_plugin import CORPUS_ENV, DRAFT_ENV, TrajectoryFeed, write_plugin_dist
+    from megatron_harts.rollout.war.sglang_plugin import (CORPUS_ENV, DRAFT_ENV, TIMING_ENV, TrajectoryFeed,
+                                                          write_plugin_dist)
 
     clock = _Clock(args.t0, args.deadline_s)
     # -- preflight: what would make every server or step fail, before any GPU time is spent
@@ -511,7 +538,7 @@ def part_h200(args, sink) -> None:
             "none": []}
     # sticky_prio: every replica with priority scheduling (requests without a priority all tie: arrival order)
     rep_extra = list(SGLANG_PRIO_FLAGS) if "sticky_prio" in policies else []
-    dev = f"H200, SGLang 0.5.17, {' '.join(common + rep_extra)}"
+    dev = f"{gpu_name()}, SGLang {_sglang_version()}, {' '.join(common + rep_extra)}"
     tag = dict(part="h200", max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, family=args.family,
                model=str(args.model_path), deepen=args.deepen)
 
@@ -551,7 +578,9 @@ def part_h200(args, sink) -> None:
         return max(60.0, min(1800.0, clock.left() + 30))
 
     def server(extra: list[str], name: str, feed: Path | None = None, mem: float | None = None) -> SGLangServer:
-        e = dict(env, **({CORPUS_ENV: str(feed), DRAFT_ENV: args.suffix_draft} if feed is not None else {}))
+        # the suffix server logs its host time per scheduler step every 500 steps (drafting vs verify cost)
+        e = dict(env, **({CORPUS_ENV: str(feed), DRAFT_ENV: args.suffix_draft, TIMING_ENV: "500"}
+                         if feed is not None else {}))
         srv = SGLangServer(args.model_path, mem_fraction_static=mem or frac, extra_args=common + extra, env=e,
                            log_path=str(logs / f"{name}.log"),
                            startup_timeout=max(60.0, min(400.0, clock.left() - 20)))
@@ -598,6 +627,7 @@ def part_h200(args, sink) -> None:
             acc = None
             log.warning("/server_info: %s", e)
         sink.add(dict(tag, load="low", concurrency=conc, policy=policy, accept_len=acc, device=dev,
+                      **({"suffix_draft": args.suffix_draft} if policy == "suffix" else {}),
                       startup_s=round(srv.startup_s or 0, 1), step1=r1, **r))
         clock.phase("row low %s: %s", policy, sink.rows[-1])
 
@@ -748,6 +778,7 @@ def part_h200(args, sink) -> None:
                     acc = None
                     log.warning("/server_info: %s", e)
                 sink.add(dict(tag, load="low", concurrency=conc, policy=v, accept_len=acc,
+                              **({"suffix_draft": args.suffix_draft} if v == "suffix" else {}),
                               device=dev + f", {len(live)} servers x mem {mem} started staggered, one stepping at a time",
                               startup_s=round(live[v].startup_s or 0, 1), step1=first[v], reps=len(rs),
                               tokens_per_s=round(med("tokens_per_s"), 1), makespan_s=round(med("makespan_s"), 2),
@@ -1008,7 +1039,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.bar(range(len(hw)), [r["tokens_per_s"] for r in hw],
                color=["C0" if r["load"] == "low" else "C1" for r in hw])
         ax.set_xticks(range(len(hw)), labels, fontsize=6, rotation=60)
-        ax.set_title("H200 rollout step: generated tokens/s (SGLang 0.5.17, trained text model)", fontsize=9)
+        gpus = sorted({str(r.get("device", "?")).split(",")[0].replace("NVIDIA ", "").split(" ")[0] for r in hw})
+        ax.set_title(f"{' / '.join(gpus)} rollout step: tokens/s (SGLang)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

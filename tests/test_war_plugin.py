@@ -153,3 +153,40 @@ def test_server_drafter_shape_tree_by_default_chain_on_request(monkeypatch):
     monkeypatch.setenv(DRAFT_ENV, "bush")
     with pytest.raises(ValueError, match="HARTS_SUFFIX_DRAFT"):
         SuffixCorpus(17)
+
+
+def test_corpus_times_its_host_work_per_scheduler_step(tmp_path):
+    """``timing`` adds up the host seconds of ``synchronize`` (feed + indexing) and ``batch_get``
+    (drafting) per scheduler step, the worst step includes both, and ``timing_line`` reports them:
+    what the GPU runs' server logs show to tell drafting cost from verification cost."""
+    feed = tmp_path / "feed.jsonl"
+    c = SuffixCorpus(9, feed=str(feed), poll_s=0.0, index_s=1.0)
+    TrajectoryFeed(feed).add(list(range(50)) * 40, "grp")              # 2,000 tokens to index
+    assert c.timing == {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "max_step_s": 0.0}
+    c.synchronize()
+    sync_first = c.timing["sync_s"]
+    assert sync_first > 0 and c.stats["indexed"] == 2000
+    ids, mask = c.batch_get(["grp/0.1#1-1"], [list(range(50)) * 2], [100])
+    assert ids.shape == (9,) and mask.shape == (81,)
+    t = c.timing
+    assert t["steps"] == 1 and t["draft_s"] > 0
+    assert t["max_step_s"] >= sync_first + t["draft_s"] - 1e-12       # the step = its sync + its draft
+    for k in range(2, 5):                                              # steps without a sync: draft only
+        c.batch_get(["grp/0.1#1-1"], [[k]], [100 + k - 1])
+    assert c.timing["steps"] == 4 and c.timing["sync_s"] == sync_first
+    line = c.timing_line()
+    assert line.startswith("HARTS_SUFFIX host time per step over 4 steps: sync ") and "2000 tokens indexed" in line
+    assert f"{1e3 * c.timing['draft_s'] / 4:.3f} ms" in line
+
+
+def test_timing_interval_env_is_checked(monkeypatch):
+    from megatron_harts.rollout.war.sglang_plugin import TIMING_ENV, log_every_from_env
+
+    monkeypatch.delenv(TIMING_ENV, raising=False)
+    assert log_every_from_env() == 2000
+    monkeypatch.setenv(TIMING_ENV, "50")
+    assert log_every_from_env() == 50
+    for bad in ("0", "-3", "ten", "1.5"):
+        monkeypatch.setenv(TIMING_ENV, bad)
+        with pytest.raises(ValueError, match=f"\\${TIMING_ENV} must be a positive integer"):
+            log_every_from_env()

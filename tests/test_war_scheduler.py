@@ -380,3 +380,32 @@ def test_spec_switch_places_by_load_and_takes_its_crossover_from_measured_rows()
     h200 = [r for r in json.loads((Path(__file__).parents[1] / "docs/benchmarks/war.json").read_text())["rows"]
             if r.get("part") == "h200" and r.get("run") == "3"]
     assert SpecSwitch.from_rows(h200, "ngram").crossover == 0
+
+
+def test_bench_rows_name_the_gpu_they_ran_on(tmp_path, monkeypatch):
+    """The GPU rows' ``device`` names the card the run got (an ``nvidia-h200`` call may run on an H100):
+    from CUDA where it is available, else from ``nvidia-smi``, else says it is unknown, never "H200"."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    import torch
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
+    spec = importlib.util.spec_from_file_location("bench_war_for_test", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert bench.gpu_name() == "NVIDIA H100 80GB HBM3"
+    fake.write_text("#!/bin/sh\nexit 9\n")                    # the driver tool fails
+    assert bench.gpu_name() == "GPU of unknown name"
+    fake.unlink()
+    monkeypatch.setenv("PATH", str(tmp_path))                  # no nvidia-smi at all
+    assert bench.gpu_name() == "GPU of unknown name"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    assert bench.gpu_name() == "NVIDIA H200"

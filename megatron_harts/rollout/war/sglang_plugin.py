@@ -59,8 +59,19 @@ CORPUS_ENV = "HARTS_SUFFIX_CORPUS"
 # draft shape of the server's drafter: "tree" (default; drafts up to twice the match length) or "chain".
 # Offline, on 72 code_repair episodes sampled from the H200-trained text model, budget 16: tree 4.12,
 # chain 3.72, SGLang's NGRAM 3.92 tokens per verification (docs/war.md); on the H200 the chain got
-# 3.27 against NGRAM's 3.94 (the tree form has not run on the GPU yet)
+# 3.27 against NGRAM's 3.94; tree drafts on the GPU since run 4 (docs/war.md)
 DRAFT_ENV = "HARTS_SUFFIX_DRAFT"
+# scheduler steps between the worker's host-time log lines (SuffixCorpus.timing_line; default 2000)
+TIMING_ENV = "HARTS_SUFFIX_TIMING_EVERY"
+
+
+def log_every_from_env() -> int:
+    """``$HARTS_SUFFIX_TIMING_EVERY`` (default 2000): scheduler steps between the worker's host-time
+    log lines; a value that is not a positive integer is refused in one line naming the variable."""
+    raw = os.environ.get(TIMING_ENV, "2000").strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"${TIMING_ENV} must be a positive integer (scheduler steps), got {raw!r}")
+    return int(raw)
 
 
 def draft_config(n: int, shape: str | None = None) -> DrafterConfig:
@@ -201,18 +212,35 @@ class SuffixCorpus:
         self.feed = feed if feed is not None else os.environ.get(CORPUS_ENV)
         self.poll_s, self._pos, self._last_poll = poll_s, 0, 0.0
         self.stats = {"calls": 0, "drafted": 0, "fed": 0, "reused": 0, "indexed": 0}
+        # host time on the scheduler's critical path (perf_counter seconds): feed polling + indexing
+        # (``synchronize``) and drafting + mask layout (``batch_get``), per scheduler step
+        self.timing = {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "max_step_s": 0.0}
         # a trajectory's next turn (a new rid whose context extends the last one's) takes over the
         # context trie of its previous turn instead of re-indexing the whole context (~50 ms per
         # 3K tokens in Python): parked tries of departed requests, and the live rid per trajectory
         self._parked: OrderedDict[str, ContextIndex] = OrderedDict()
         self._live: dict[str, str] = {}
         self.max_parked = 4096
+        self._sync_dt = 0.0
 
     # -- NgramCorpus interface used by NGRAMWorker ------------------------------------------------
     def synchronize(self) -> None:
+        t0 = time.perf_counter()
         self.poll(force=False)
         if self.drafter._queue:
             self.stats["indexed"] += self.drafter.index_pending(max_s=self.index_s)
+        self._sync_dt = time.perf_counter() - t0
+        self.timing["sync_s"] += self._sync_dt
+
+    def timing_line(self) -> str:
+        """One log line: the mean host milliseconds per scheduler step this corpus cost so far
+        (feed + indexing, drafting), the worst step, and the drafting counters."""
+        t = self.timing
+        k = max(1, t["steps"])
+        return (f"HARTS_SUFFIX host time per step over {t['steps']} steps: sync {1e3 * t['sync_s'] / k:.3f} ms, "
+                f"draft {1e3 * t['draft_s'] / k:.3f} ms, worst step {1e3 * t['max_step_s']:.2f} ms; "
+                f"{self.stats['calls']} drafts of {self.stats['drafted']} tokens, {self.stats['fed']} fed "
+                f"trajectories, {self.stats['indexed']} tokens indexed")
 
     def batch_put(self, batch_tokens) -> None:
         """NGRAM's online insertion; the suffix corpus indexes requests in ``batch_get``."""
@@ -262,6 +290,17 @@ class SuffixCorpus:
         return len(c.tokens) if c is not None else 0
 
     def batch_get(self, req_ids: list[str], batch_tokens: list[list[int]], total_lens: list[int]):
+        t0 = time.perf_counter()
+        out = self._batch_get(req_ids, batch_tokens, total_lens)
+        dt = time.perf_counter() - t0
+        t = self.timing
+        t["steps"] += 1
+        t["draft_s"] += dt
+        t["max_step_s"] = max(t["max_step_s"], dt + self._sync_dt)
+        self._sync_dt = 0.0
+        return out
+
+    def _batch_get(self, req_ids: list[str], batch_tokens: list[list[int]], total_lens: list[int]):
         n = self.n
         bs = len(req_ids)
         ids = [0] * (bs * n)                 # [bs, n] flat
@@ -442,6 +481,7 @@ def suffix_worker_class():
                 self.ngram_corpus = SuffixCorpus(n)
             self._suffix_depth = self.ngram_corpus.drafter.cfg.max_depth
             self._owner: dict[str, int] = {}      # rid -> id(req): a reused rid starts afresh
+            self._log_every = log_every_from_env()         # scheduler steps per host-time log line
             log.info("HARTS_SUFFIX worker: %d draft tokens, feed %s", n, self.ngram_corpus.feed)
 
         def _update_ngram_corpus(self, batch):
@@ -459,6 +499,8 @@ def suffix_worker_class():
             rids, toks, totals = gather_draft_inputs(corpus, self._owner, self._suffix_depth, batch.reqs,
                                                      self.prev_token_ids, self.prev_accept_lens, stride, use_prev)
             drafts, mask = corpus.batch_get(rids, toks, totals)
+            if corpus.timing["steps"] % self._log_every == 0:
+                log.info("%s", corpus.timing_line())
             if len(self._owner) > 8 * max(64, len(corpus.ctx)):             # bounded: keep the live ones
                 self._owner = {r: self._owner[r] for r in corpus.ctx if r in self._owner}
             assert len(drafts) == bs * self.draft_token_num
