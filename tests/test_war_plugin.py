@@ -179,6 +179,28 @@ def test_corpus_times_its_host_work_per_scheduler_step(tmp_path):
     assert f"{1e3 * c.timing['draft_s'] / 4:.3f} ms" in line
 
 
+def test_corpus_logs_its_timing_every_n_steps(caplog, monkeypatch):
+    """The server's log gets a timing line every ``log_every`` scheduler steps (from
+    ``$HARTS_SUFFIX_TIMING_EVERY`` unless given), and none in between."""
+    import logging
+
+    from megatron_harts.rollout.war.sglang_plugin import TIMING_ENV
+
+    monkeypatch.setenv(TIMING_ENV, "3")
+    c = SuffixCorpus(5, feed="")
+    assert c.log_every == 3
+    with caplog.at_level(logging.INFO, logger="megatron_harts.rollout.war.sglang_plugin"):
+        c.batch_get(["g/0#1-1"], [list(range(20))], [20])
+        for k in range(1, 7):
+            c.batch_get(["g/0#1-1"], [[k]], [20 + k])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HARTS_SUFFIX host time")]
+    assert [x.split(" steps:")[0].rsplit(" ", 1)[1] for x in lines] == ["3", "6"]
+    monkeypatch.setenv(TIMING_ENV, "zero")
+    with pytest.raises(ValueError, match=TIMING_ENV):
+        SuffixCorpus(5, feed="")
+    assert SuffixCorpus(5, feed="", log_every=1).log_every == 1    # an explicit value skips the variable
+
+
 def test_timing_interval_env_is_checked(monkeypatch):
     from megatron_harts.rollout.war.sglang_plugin import TIMING_ENV, log_every_from_env
 

@@ -198,7 +198,7 @@ class SuffixCorpus:
     """
 
     def __init__(self, draft_token_num: int, config: DrafterConfig | None = None, feed: str | None = None,
-                 poll_s: float = 0.5, index_s: float = 0.004):
+                 poll_s: float = 0.5, index_s: float = 0.004, log_every: int | None = None):
         if draft_token_num < 2:
             raise ValueError(f"draft_token_num must be >= 2 (root + drafts), got {draft_token_num}")
         self.n = int(draft_token_num)
@@ -215,6 +215,8 @@ class SuffixCorpus:
         # host time on the scheduler's critical path (perf_counter seconds): feed polling + indexing
         # (``synchronize``) and drafting + mask layout (``batch_get``), per scheduler step
         self.timing = {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "max_step_s": 0.0}
+        # scheduler steps between timing lines in the server's log (None: $HARTS_SUFFIX_TIMING_EVERY)
+        self.log_every = log_every if log_every is not None else log_every_from_env()
         # a trajectory's next turn (a new rid whose context extends the last one's) takes over the
         # context trie of its previous turn instead of re-indexing the whole context (~50 ms per
         # 3K tokens in Python): parked tries of departed requests, and the live rid per trajectory
@@ -298,6 +300,8 @@ class SuffixCorpus:
         t["draft_s"] += dt
         t["max_step_s"] = max(t["max_step_s"], dt + self._sync_dt)
         self._sync_dt = 0.0
+        if t["steps"] % self.log_every == 0:
+            log.info("%s", self.timing_line())
         return out
 
     def _batch_get(self, req_ids: list[str], batch_tokens: list[list[int]], total_lens: list[int]):
@@ -481,7 +485,6 @@ def suffix_worker_class():
                 self.ngram_corpus = SuffixCorpus(n)
             self._suffix_depth = self.ngram_corpus.drafter.cfg.max_depth
             self._owner: dict[str, int] = {}      # rid -> id(req): a reused rid starts afresh
-            self._log_every = log_every_from_env()         # scheduler steps per host-time log line
             log.info("HARTS_SUFFIX worker: %d draft tokens, feed %s", n, self.ngram_corpus.feed)
 
         def _update_ngram_corpus(self, batch):
@@ -499,8 +502,6 @@ def suffix_worker_class():
             rids, toks, totals = gather_draft_inputs(corpus, self._owner, self._suffix_depth, batch.reqs,
                                                      self.prev_token_ids, self.prev_accept_lens, stride, use_prev)
             drafts, mask = corpus.batch_get(rids, toks, totals)
-            if corpus.timing["steps"] % self._log_every == 0:
-                log.info("%s", corpus.timing_line())
             if len(self._owner) > 8 * max(64, len(corpus.ctx)):             # bounded: keep the live ones
                 self._owner = {r: self._owner[r] for r in corpus.ctx if r in self._owner}
             assert len(drafts) == bs * self.draft_token_num
