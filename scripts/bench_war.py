@@ -424,6 +424,38 @@ def _prebuild_ngram(env: dict, out: dict, timeout: float) -> None:
     out["s"] = round(time.perf_counter() - t0, 1)
 
 
+LOW_KINDS = ("suffix", "ngram", "none")
+
+
+def variant_kind(variant: str) -> str:
+    """``suffix@8`` -> ``suffix``; a plain kind is itself."""
+    return variant.split("@", 1)[0]
+
+
+def variant_budget(variant: str, default: int) -> int:
+    """A low-load variant's draft budget (draft tokens per verification step, the verified tokens
+    being one more): ``kind@N`` gives N, a plain kind ``default`` (``--budgets``' first). Raises
+    ValueError with a one-line message for an unknown kind or a bad N; ``none@N`` is refused."""
+    kind, _, n = variant.partition("@")
+    if kind not in LOW_KINDS:
+        raise ValueError(f"unknown variant {variant!r} (kinds: {', '.join(LOW_KINDS)}, optionally kind@budget)")
+    if not _:
+        return default
+    if kind == "none":
+        raise ValueError(f"{variant!r}: 'none' has no draft budget")
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"{variant!r}: the budget after '@' must be a positive integer")
+    return int(n)
+
+
+def speculation_flags(variant: str, default_budget: int) -> list[str]:
+    """A low-load variant's SGLang flags: HARTS_SUFFIX or NGRAM verifying its draft budget plus
+    one tokens per step (``suffix@8``: 9), none for ``none``."""
+    kind, budget = variant_kind(variant), variant_budget(variant, default_budget)
+    algo = {"suffix": "HARTS_SUFFIX", "ngram": "NGRAM"}.get(kind)
+    return ["--speculative-algorithm", algo, "--speculative-num-draft-tokens", str(budget + 1)] if algo else []
+
+
 def gpu_name() -> str:
     """The GPU the rows ran on, as CUDA names it (e.g. ``NVIDIA H100 80GB HBM3``): the part is named
     after the target machine, but the device lent may be an H100; rows must say which."""
@@ -499,9 +531,8 @@ def part_h200(args, sink) -> None:
     bad = [p for p in policies if p not in HIGH_POLICIES]
     if bad:
         fail(f"--policies: unknown policy {bad[0]!r}")
-    variants = [v for v in args.low_variants.split(",") if v]
-    if any(v not in ("suffix", "ngram", "none") for v in variants):
-        fail(f"--low-variants: comma list of suffix, ngram, none, got {args.low_variants!r}")
+    variants = [v for v in args.low_variants.split(",") if v]      # checked in main()
+    budget_of = {v: variant_budget(v, args.budgets[0]) for v in variants}
     if args.replicas < 1:
         fail("--replicas must be >= 1")
     t = time.perf_counter()
@@ -533,9 +564,7 @@ def part_h200(args, sink) -> None:
     common += ["--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs)] if args.cuda_graph else ["--disable-cuda-graph"]
     common += shlex.split(args.sglang_args)
     frac = round(args.mem_fraction / max(1, args.replicas), 4)
-    spec = {"suffix": ["--speculative-algorithm", "HARTS_SUFFIX", "--speculative-num-draft-tokens", str(b + 1)],
-            "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(b + 1)],
-            "none": []}
+    spec = {v: speculation_flags(v, b) for v in {"suffix", "ngram", "none", *variants}}
     # sticky_prio: every replica with priority scheduling (requests without a priority all tie: arrival order)
     rep_extra = list(SGLANG_PRIO_FLAGS) if "sticky_prio" in policies else []
     dev = f"{gpu_name()}, SGLang {_sglang_version()}, {' '.join(common + rep_extra)}"
@@ -546,7 +575,7 @@ def part_h200(args, sink) -> None:
     envs_state, ngram_state = {}, {}
     bg = [threading.Thread(target=_prebuild_envs, args=(args.family, max(args.high_tasks, args.low_tasks),
                                                         envs_state), daemon=True)]
-    if "ngram" in variants:
+    if any(variant_kind(v) == "ngram" for v in variants):
         bg.append(threading.Thread(target=_prebuild_ngram, args=(env, ngram_state, 300.0), daemon=True))
     for th in bg:
         th.start()
@@ -703,7 +732,7 @@ def part_h200(args, sink) -> None:
 
         def pools_allocated(v: str) -> bool:
             try:
-                return "Memory pool end" in (logs / f"low_{v}.log").read_text(errors="replace")
+                return "Memory pool end" in (logs / f"low_{v.replace('@', '_b')}.log").read_text(errors="replace")
             except OSError:
                 return False
 
@@ -719,11 +748,13 @@ def part_h200(args, sink) -> None:
                 while not done[prev].is_set() and not pools_allocated(prev) and time.monotonic() - t_w < 400:
                     time.sleep(0.5)
             try:
-                if v == "ngram":
+                if variant_kind(v) == "ngram":
                     bg[-1].join()
                     if not ngram_state.get("ok"):
                         raise RuntimeError(f"NgramCorpus JIT build failed: {str(ngram_state.get('error'))[-300:]}")
-                got[v] = server(spec[v], f"low_{v}", logs / f"feed_{v}.jsonl" if v == "suffix" else None, mem=mem)
+                got[v] = server(spec[v], f"low_{v.replace('@', '_b')}",
+                                logs / f"feed_{v.replace('@', '_b')}.jsonl" if variant_kind(v) == "suffix" else None,
+                                mem=mem)
             except Exception as e:                          # noqa: BLE001 - recorded as the variant's row
                 got[v] = e
             finally:
@@ -740,7 +771,7 @@ def part_h200(args, sink) -> None:
                                                                f"{str(got.get(v))[:1000]}"))
         try:
             wait_bg()
-            feeds = {v: TrajectoryFeed(logs / f"feed_{v}.jsonl") for v in live}
+            feeds = {v: TrajectoryFeed(logs / f"feed_{v.replace('@', '_b')}.jsonl") for v in live}
             first = {}
             for v, srv in live.items():
                 first[v] = _step([srv.engine(timeout=timeout())], None, args, conc, args.low_tasks, args.group,
@@ -777,8 +808,9 @@ def part_h200(args, sink) -> None:
                 except Exception as e:                      # noqa: BLE001
                     acc = None
                     log.warning("/server_info: %s", e)
-                sink.add(dict(tag, load="low", concurrency=conc, policy=v, accept_len=acc,
-                              **({"suffix_draft": args.suffix_draft} if v == "suffix" else {}),
+                sink.add(dict(tag, load="low", concurrency=conc, policy=variant_kind(v), variant=v,
+                              budget=budget_of[v] if variant_kind(v) != "none" else None, accept_len=acc,
+                              **({"suffix_draft": args.suffix_draft} if variant_kind(v) == "suffix" else {}),
                               device=dev + f", {len(live)} servers x mem {mem} started staggered, one stepping at a time",
                               startup_s=round(live[v].startup_s or 0, 1), step1=first[v], reps=len(rs),
                               tokens_per_s=round(med("tokens_per_s"), 1), makespan_s=round(med("makespan_s"), 2),
@@ -1035,7 +1067,7 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[2].set_title("CPU rollout step: generated tokens/s (embedded engine, random model)", fontsize=9)
     if hw:
         ax = axes[-1]
-        labels = [f"{r['load']} {r['policy']}\nrun {r.get('run', '1')}" for r in hw]
+        labels = [f"{r['load']} {r.get('variant', r['policy'])}\nrun {r.get('run', '1')}" for r in hw]
         ax.bar(range(len(hw)), [r["tokens_per_s"] for r in hw],
                color=["C0" if r["load"] == "low" else "C1" for r in hw])
         ax.set_xticks(range(len(hw)), labels, fontsize=6, rotation=60)
@@ -1066,7 +1098,7 @@ def tables(rows: list[dict]) -> tuple[str, str]:
             note = f"{r['failed']} episodes failed"
         dev = r.get("device", "") + (f"; {note}" if note else "")
         run = r.get("run", "1" if r["part"] == "h200" else "-")
-        ro.append(f"| {r['part']} | {run} | {r.get('load')} | {r.get('concurrency')} | {r.get('policy')} | "
+        ro.append(f"| {r['part']} | {run} | {r.get('load')} | {r.get('concurrency')} | {r.get('variant', r.get('policy'))} | "
                   f"{r.get('tokens_per_s')} | {r.get('makespan_s')} | {r.get('cache_hit')} | {acc} | {dev} |")
     return "\n".join(dr), "\n".join(ro)
 
@@ -1129,7 +1161,8 @@ def main(argv=None) -> int:
                    help="h200 with --parallel-start: start the NGRAM low-load server with this memory fraction "
                         "beside the replicas and run its low-load steps before the high-load policies (0: after)")
     p.add_argument("--low-variants", default="suffix,ngram,none",
-                   help="h200 low load: speculation variants (suffix = HARTS_SUFFIX, ngram = SGLang NGRAM, none)")
+                   help="h200 low load: speculation variants (suffix = HARTS_SUFFIX, ngram = SGLang NGRAM, none); with "
+                        "--low-reps, kind@N gives a variant its own draft budget N (e.g. suffix@8,ngram@8,suffix,ngram,none)")
     p.add_argument("--low-reps", type=int, default=0,
                    help="h200, low load only (--policies ''): start the --low-variants servers together and measure "
                         "this many steps per variant, alternated, plus a greedy losslessness check (0: the older "
@@ -1156,6 +1189,16 @@ def main(argv=None) -> int:
         fail("--budgets must be >= 1")
     if args.low_reps < 0:
         fail(f"--low-reps must be >= 0, got {args.low_reps}")
+    variants = [v for v in args.low_variants.split(",") if v]
+    for v in variants:
+        try:
+            variant_budget(v, args.budgets[0])
+        except ValueError as e:
+            fail(f"--low-variants: {e}")
+    if len(set(variants)) != len(variants):
+        fail(f"--low-variants: a variant named twice in {args.low_variants!r}")
+    if any("@" in v for v in variants) and not args.low_reps:
+        fail("--low-variants: kind@budget variants need --low-reps (their servers are measured side by side)")
     args.policies = [x for x in args.policies.split(",") if x]
     bad = [x for x in args.policies if x not in HIGH_POLICIES]
     if bad:

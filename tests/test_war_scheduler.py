@@ -319,7 +319,12 @@ def test_bench_script_rejects_bad_input():
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
     for args, word in ((["--parts", "gpu"], "--parts"), (["--budgets", "8,x"], "--budgets"),
-                       (["--parts", "h200"], "--model-path"), (["--policies", "sticky_prio,bogus"], "--policies")):
+                       (["--parts", "h200"], "--model-path"), (["--policies", "sticky_prio,bogus"], "--policies"),
+                       (["--low-variants", "suffix,eagle"], "eagle"), (["--low-variants", "none@8", "--low-reps", "2"], "none@8"),
+                       (["--low-variants", "suffix@0", "--low-reps", "2"], "positive integer"),
+                       (["--low-variants", "suffix@x", "--low-reps", "2"], "positive integer"),
+                       (["--low-variants", "suffix@8,suffix@8", "--low-reps", "2"], "named twice"),
+                       (["--low-variants", "suffix@8,none"], "--low-reps")):
         r = subprocess.run([sys.executable, str(script), *args, "--out", "/nonexistent/x.json"], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -409,3 +414,26 @@ def test_bench_rows_name_the_gpu_they_ran_on(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
     assert bench.gpu_name() == "NVIDIA H200"
+
+
+def test_bench_low_variants_carry_their_own_draft_budget():
+    """``--low-variants suffix@8,ngram@8,suffix,ngram,none``: the budgets of one side-by-side run."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
+    spec = importlib.util.spec_from_file_location("bench_war_for_test", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    got = {v: (bench.variant_kind(v), bench.variant_budget(v, 16)) for v in ("suffix@8", "ngram@12", "suffix", "none")}
+    assert got == {"suffix@8": ("suffix", 8), "ngram@12": ("ngram", 12), "suffix": ("suffix", 16), "none": ("none", 16)}
+    for bad in ("none@4", "suffix@", "suffix@-1", "ngram@1.5", "medusa@8"):
+        with pytest.raises(ValueError):
+            bench.variant_budget(bad, 16)
+    assert bench.speculation_flags("suffix@8", 16) == ["--speculative-algorithm", "HARTS_SUFFIX",
+                                                       "--speculative-num-draft-tokens", "9"]
+    assert bench.speculation_flags("ngram", 16)[1::2] == ["NGRAM", "17"]
+    assert bench.speculation_flags("none", 16) == []
+    rows = [dict(part="h200", load="low", concurrency=8, policy="suffix", variant="suffix@8", budget=8,
+                 tokens_per_s=1.0, makespan_s=1.0, cache_hit=0.0)]
+    assert "| suffix@8 |" in bench.tables(rows)[1]
