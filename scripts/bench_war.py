@@ -448,11 +448,12 @@ def variant_budget(variant: str, default: int) -> int:
     return int(n)
 
 
-def speculation_flags(variant: str, default_budget: int) -> list[str]:
+def speculation_flags(variant: str, default_budget: int, timed_ngram: bool = False) -> list[str]:
     """A low-load variant's SGLang flags: HARTS_SUFFIX or NGRAM verifying its draft budget plus
-    one tokens per step (``suffix@8``: 9), none for ``none``."""
+    one tokens per step (``suffix@8``: 9), none for ``none``. ``timed_ngram``: NGRAM as
+    HARTS_NGRAM_TIMED (the same worker and C++ corpus, its host time per step logged)."""
     kind, budget = variant_kind(variant), variant_budget(variant, default_budget)
-    algo = {"suffix": "HARTS_SUFFIX", "ngram": "NGRAM"}.get(kind)
+    algo = {"suffix": "HARTS_SUFFIX", "ngram": "HARTS_NGRAM_TIMED" if timed_ngram else "NGRAM"}.get(kind)
     return ["--speculative-algorithm", algo, "--speculative-num-draft-tokens", str(budget + 1)] if algo else []
 
 
@@ -500,8 +501,8 @@ def part_h200(args, sink) -> None:
     from megatron_harts.rollout.engines import SGLangServer
     from megatron_harts.rollout.war.router import RouterServer
     from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler, with_progress_priority
-    from megatron_harts.rollout.war.sglang_plugin import (CORPUS_ENV, DRAFT_ENV, TIMING_ENV, TrajectoryFeed,
-                                                          write_plugin_dist)
+    from megatron_harts.rollout.war.sglang_plugin import (CORPUS_ENV, DRAFT_ENV, TIMED_NGRAM_NAME, TIMING_ENV,
+                                                          TrajectoryFeed, write_plugin_dist)
 
     clock = _Clock(args.t0, args.deadline_s)
     # -- preflight: what would make every server or step fail, before any GPU time is spent
@@ -564,7 +565,7 @@ def part_h200(args, sink) -> None:
     common += ["--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs)] if args.cuda_graph else ["--disable-cuda-graph"]
     common += shlex.split(args.sglang_args)
     frac = round(args.mem_fraction / max(1, args.replicas), 4)
-    spec = {v: speculation_flags(v, b) for v in {"suffix", "ngram", "none", *variants}}
+    spec = {v: speculation_flags(v, b, args.time_ngram) for v in {"suffix", "ngram", "none", *variants}}
     # sticky_prio: every replica with priority scheduling (requests without a priority all tie: arrival order)
     rep_extra = list(SGLANG_PRIO_FLAGS) if "sticky_prio" in policies else []
     dev = f"{gpu_name()}, SGLang {_sglang_version()}, {' '.join(common + rep_extra)}"
@@ -609,7 +610,7 @@ def part_h200(args, sink) -> None:
     def server(extra: list[str], name: str, feed: Path | None = None, mem: float | None = None) -> SGLangServer:
         # the suffix server logs its host time per scheduler step every 500 steps (drafting vs verify cost)
         e = dict(env, **({CORPUS_ENV: str(feed), DRAFT_ENV: args.suffix_draft, TIMING_ENV: "500"}
-                         if feed is not None else {}))
+                         if feed is not None else {TIMING_ENV: "500"} if TIMED_NGRAM_NAME in extra else {}))
         srv = SGLangServer(args.model_path, mem_fraction_static=mem or frac, extra_args=common + extra, env=e,
                            log_path=str(logs / f"{name}.log"),
                            startup_timeout=max(60.0, min(400.0, clock.left() - 20)))
@@ -781,7 +782,10 @@ def part_h200(args, sink) -> None:
             reps: dict[str, list[dict]] = {v: [] for v in live}
             order = list(live)
             for k in range(args.low_reps):
-                if clock.left() < len(order) * est(steps_low, 45.0) + 60:
+                # a rep's cost from the measured reps once there are some (step 1 also warms kernels
+                # and fills corpora: 2x longer, it would stop the reps early)
+                seen = [r["makespan_s"] for rs in reps.values() for r in rs] or steps_low
+                if clock.left() < len(order) * est(seen, 45.0) + 60:
                     clock.phase("deadline: %d measured reps instead of %d", k, args.low_reps)
                     break
                 for v in order[k % len(order):] + order[:k % len(order)]:
@@ -809,6 +813,7 @@ def part_h200(args, sink) -> None:
                     acc = None
                     log.warning("/server_info: %s", e)
                 sink.add(dict(tag, load="low", concurrency=conc, policy=variant_kind(v), variant=v,
+                              algorithm=spec[v][1] if spec[v] else None,
                               budget=budget_of[v] if variant_kind(v) != "none" else None, accept_len=acc,
                               **({"suffix_draft": args.suffix_draft} if variant_kind(v) == "suffix" else {}),
                               device=dev + f", {len(live)} servers x mem {mem} started staggered, one stepping at a time",
@@ -1177,6 +1182,9 @@ def main(argv=None) -> int:
     p.add_argument("--add-rows", default=None,
                    help="add the h200 rows of another run's JSON to --out (tagged with --run-tag) and rewrite md/png")
     p.add_argument("--run-tag", default="2", help="with --add-rows: the added rows' 'run' field")
+    p.add_argument("--time-ngram", action="store_true",
+                   help="h200: run NGRAM as HARTS_NGRAM_TIMED (SGLang's NGRAM worker and C++ corpus, its host time "
+                        "per scheduler step logged every 500 steps like HARTS_SUFFIX's)")
     p.add_argument("--deadline-grace-s", type=float, default=20.0,
                    help="h200: past the deadline by this much, the servers are killed (a running step then fails)")
     args = p.parse_args(argv)

@@ -5,21 +5,24 @@ Replays logged streams (default: the H200 model's sampled code_repair episodes) 
 scheduler drives a speculative worker (``war.replay.replay_steps``): ``--batch`` trajectories at
 once, one request per model turn, every step one drafting call for all running requests, greedy
 tree verification against the logged tokens, each request advancing by accepted + 1 tokens.
-Timed per step: the worker's hook (``corpus.synchronize()``, ``gather_draft_inputs``,
-``SuffixCorpus.batch_get``: context updates, drafting, ids/mask layout), for
+Timed per step: the worker's hooks (before verification ``gather_draft_inputs`` and
+``SuffixCorpus.batch_get``: context updates, drafting, ids/mask layout; after it
+``SuffixCorpus.after_verify``: the feed's indexing, which on a GPU overlaps the verify forward;
+both columns also shown apart), for
 
 * ``ref_*``: the path before the fast context index (``war.suffix_ref``: a suffix trie per
   request's context, per-row masks), tree and chain drafts;
 * ``ours_*``: the current path (``war.suffix`` / ``war.sglang_plugin``), tree and chain; the
   drafts are checked bitwise equal to ``ref_*``'s at every step (exit 1 otherwise);
 * ``sglang_ngram``: SGLang 0.5.17's C++ ``NgramCorpus`` as ``NGRAMWorker`` drives it
-  (``synchronize`` + ``batch_get`` + ``batch_put``, last 18 tokens), JIT-built on CPU;
+  (``synchronize`` + ``batch_get`` before verification, ``batch_put`` after it, last 18 tokens),
+  JIT-built on CPU;
 * ``before_*`` (with ``--before REV``): the plugin with ``war/suffix.py`` as it was at git
   revision ``REV`` (loaded from ``git show``), tree and chain; drafts checked bitwise equal to
   ``ours_*``'s (a before/after comparison of the drafter in one run).
 
 Completed trajectories are indexed at once, untimed (``--queued``: through the queue the
-server's feed uses, indexed by ``synchronize`` within ``index_s`` per step, timed; drafts then
+server's feed uses, indexed by ``after_verify`` within ``index_s`` per step, timed; drafts then
 depend on timing, so no equality check). Numbers: microseconds per step and per request (step /
 batch size), p50 / p99 / mean over all steps, the median over ``--repeats`` runs (methods
 interleaved within each); ``--clock cpu`` times the process's CPU time instead of wall time.
@@ -96,7 +99,8 @@ def main(argv=None) -> int:
             rows.append({"method": name, "repeat": rep, "steps": r.steps, "mean_batch": round(r.mean_bs, 2),
                          "accept_len": round(r.accept_len, 3), "step_us_p50": r.step_us_p50,
                          "step_us_p99": r.step_us_p99, "step_us_mean": r.step_us_mean, "req_us_p50": r.req_us_p50,
-                         "req_us_p99": r.req_us_p99})
+                         "req_us_p99": r.req_us_p99, "before_us_p99": r.before_us_p99,
+                         "before_us_mean": r.before_us_mean, "after_us_mean": r.after_us_mean})
             print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
     ok = True
     for shape in ("tree", "chain"):
@@ -108,18 +112,21 @@ def main(argv=None) -> int:
                 print(f"{shape}: drafts of ours vs {other} over {len(a)} steps: "
                       f"{'bitwise equal' if same else 'DIFFER'}")
                 ok &= same
-    print(f"\n| method | steps | mean batch | tokens/verify | step us p50 / p99 / mean | per request us p50 / p99 |")
-    print("|---|---:|---:|---:|---|---|")
+    print(f"\n| method | steps | mean batch | tokens/verify | step us p50 / p99 / mean | per request us p50 / p99 "
+          f"| before verify us p99 / mean | after verify us mean |")
+    print("|---|---:|---:|---:|---|---|---|---:|")
     summary = []
     for name in args.methods.split(","):
         rs = [r for r in rows if r["method"] == name]
         med = {k: statistics.median(r[k] for r in rs) for k in ("step_us_p50", "step_us_p99", "step_us_mean",
-                                                                 "req_us_p50", "req_us_p99")}
+                                                                 "req_us_p50", "req_us_p99", "before_us_p99",
+                                                                 "before_us_mean", "after_us_mean")}
         summary.append(dict(method=name, steps=rs[0]["steps"], mean_batch=rs[0]["mean_batch"],
                             accept_len=rs[0]["accept_len"], **med))
         print(f"| {name} | {rs[0]['steps']} | {rs[0]['mean_batch']} | {rs[0]['accept_len']} | "
               f"{med['step_us_p50']:.0f} / {med['step_us_p99']:.0f} / {med['step_us_mean']:.0f} | "
-              f"{med['req_us_p50']:.0f} / {med['req_us_p99']:.0f} |")
+              f"{med['req_us_p50']:.0f} / {med['req_us_p99']:.0f} | {med['before_us_p99']:.0f} / "
+              f"{med['before_us_mean']:.0f} | {med['after_us_mean']:.0f} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "streams": args.streams,
                                               "before": args.before, "clock": args.clock, "batch": args.batch,

@@ -43,6 +43,14 @@ try:
     out["worker"] = "built"
 except ImportError as e:
     out["worker"] = f"ImportError: {e}"
+timed = SpeculativeAlgorithm.from_string("HARTS_NGRAM_TIMED")
+out["timed"] = {"registered": spec_registry.get_spec("HARTS_NGRAM_TIMED") is timed, "is_ngram": timed.is_ngram(),
+                "has_draft_kv": timed.has_draft_kv()}
+try:
+    timed.create_worker(SA())
+    out["timed"]["worker"] = "built"
+except ImportError as e:
+    out["timed"]["worker"] = f"ImportError: {e}"
 from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
 from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus, draft_config
 c = SuffixCorpus(6, draft_config(6, "chain"))
@@ -79,6 +87,9 @@ def test_registration_through_sglangs_plugin_loader(site, tmp_path):
     assert out["is_ngram"] and out["is_speculative"] and not out["is_eagle"] and not out["has_draft_kv"]
     assert out["overlap"] is True and out["ngram_args"]
     assert "sgl_kernel" in out["worker"], out["worker"]           # the factory reaches NGRAMWorker
+    # SGLang's NGRAM with its corpus timed: registered by the same entry point, dispatched as NGRAM
+    assert out["timed"]["registered"] and out["timed"]["is_ngram"] and not out["timed"]["has_draft_kv"]
+    assert "sgl_kernel" in out["timed"]["worker"], out["timed"]
     # SGLang reads our chain: root (the last context token) -> group g's continuation (a match
     # of 2 tokens earns 2 draft tokens), the unused nodes as leaves under the root
     assert out["paths"][0] == [[6, 7, 8], [6, 0], [6, 0], [6, 0]], out["paths"]
@@ -156,13 +167,14 @@ def test_server_drafter_shape_tree_by_default_chain_on_request(monkeypatch):
 
 
 def test_corpus_times_its_host_work_per_scheduler_step(tmp_path):
-    """``timing`` adds up the host seconds of ``synchronize`` (feed + indexing) and ``batch_get``
-    (drafting) per scheduler step, the worst step includes both, and ``timing_line`` reports them:
+    """``timing`` adds up the host seconds per scheduler step before the verify forward (``batch_get``
+    and any ``synchronize``: the worst step includes both) apart from the feed's indexing after the
+    forward's launch (``after_verify``, which overlaps the GPU), and ``timing_line`` reports them:
     what the GPU runs' server logs show to tell drafting cost from verification cost."""
     feed = tmp_path / "feed.jsonl"
     c = SuffixCorpus(9, feed=str(feed), poll_s=0.0, index_s=1.0)
     TrajectoryFeed(feed).add(list(range(50)) * 40, "grp")              # 2,000 tokens to index
-    assert c.timing == {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "max_step_s": 0.0}
+    assert c.timing == {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "after_s": 0.0, "max_step_s": 0.0}
     c.synchronize()
     sync_first = c.timing["sync_s"]
     assert sync_first > 0 and c.stats["indexed"] == 2000
@@ -171,12 +183,21 @@ def test_corpus_times_its_host_work_per_scheduler_step(tmp_path):
     t = c.timing
     assert t["steps"] == 1 and t["draft_s"] > 0
     assert t["max_step_s"] >= sync_first + t["draft_s"] - 1e-12       # the step = its sync + its draft
+    worst = t["max_step_s"]
+    TrajectoryFeed(feed).add(list(range(60, 90)) * 200, "grp")         # 6,000 more, indexed after verify
+    c.after_verify()
+    assert c.stats["indexed"] == 8000 and c.timing["after_s"] > 0 and c.timing["sync_s"] == sync_first
     for k in range(2, 5):                                              # steps without a sync: draft only
+        d0 = c.timing["draft_s"]
         c.batch_get(["grp/0.1#1-1"], [[k]], [100 + k - 1])
+        worst = max(worst, c.timing["draft_s"] - d0)                   # after_verify is in no step's time
+        assert c.timing["max_step_s"] == worst
     assert c.timing["steps"] == 4 and c.timing["sync_s"] == sync_first
     line = c.timing_line()
-    assert line.startswith("HARTS_SUFFIX host time per step over 4 steps: sync ") and "2000 tokens indexed" in line
-    assert f"{1e3 * c.timing['draft_s'] / 4:.3f} ms" in line
+    assert line.startswith("HARTS_SUFFIX host time per step over 4 steps: before the forward draft ")
+    assert "8000 tokens indexed" in line
+    assert f"draft {1e3 * c.timing['draft_s'] / 4:.3f} ms" in line
+    assert f"feed + indexing {1e3 * c.timing['after_s'] / 4:.3f} ms" in line
 
 
 def test_corpus_logs_its_timing_every_n_steps(caplog, monkeypatch):
@@ -212,3 +233,34 @@ def test_timing_interval_env_is_checked(monkeypatch):
         monkeypatch.setenv(TIMING_ENV, bad)
         with pytest.raises(ValueError, match=f"\\${TIMING_ENV} must be a positive integer"):
             log_every_from_env()
+
+
+def test_timed_ngram_corpus_changes_nothing_but_counts_host_time(tmp_path, caplog):
+    """``TimedNgramCorpus`` (HARTS_NGRAM_TIMED's corpus) returns the wrapped corpus' drafts
+    unchanged, adds up ``synchronize`` + ``batch_get`` as a step before the forward and
+    ``batch_put`` after it, logs every ``log_every`` steps and passes other attributes through.
+    Wrapped here: a SuffixCorpus (the NgramCorpus interface; the C++ one needs a compiler)."""
+    import logging
+
+    from megatron_harts.rollout.war.sglang_plugin import TimedNgramCorpus
+
+    plain, inner = SuffixCorpus(6, feed=""), SuffixCorpus(6, feed="")
+    for c in (plain, inner):
+        c.drafter.add_trajectory([5, 6, 7, 8, 9, 10, 11] * 3, "g")
+    timed = TimedNgramCorpus(inner, log_every=2)
+    assert timed.n == 6 and timed.timing == {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "after_s": 0.0,
+                                            "max_step_s": 0.0}
+    calls = [(["g/0#1"], [[1, 5, 6]], [3]), (["g/0#1"], [[7]], [4]), (["g/0#1"], [[8, 9]], [6])]
+    with caplog.at_level(logging.INFO, logger="megatron_harts.rollout.war.sglang_plugin"):
+        for args in calls:
+            timed.synchronize()
+            a, b = timed.batch_get(*args), plain.batch_get(*args)
+            assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+            timed.batch_put([args[1][0]])
+    t = timed.timing
+    assert t["steps"] == 3 and t["draft_s"] > 0 and t["sync_s"] > 0 and t["after_s"] > 0
+    assert t["max_step_s"] <= t["draft_s"] + t["sync_s"] + 1e-12
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("NGRAM host time")]
+    assert len(lines) == 1 and lines[0].startswith("NGRAM host time per step over 2 steps: before the forward draft ")
+    timed.erase_match_state(["g/0#1"])                              # passed through to the corpus
+    assert "g/0#1" not in inner.ctx

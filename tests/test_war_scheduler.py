@@ -434,6 +434,8 @@ def test_bench_low_variants_carry_their_own_draft_budget():
                                                        "--speculative-num-draft-tokens", "9"]
     assert bench.speculation_flags("ngram", 16)[1::2] == ["NGRAM", "17"]
     assert bench.speculation_flags("none", 16) == []
+    assert bench.speculation_flags("ngram@8", 16, timed_ngram=True)[1::2] == ["HARTS_NGRAM_TIMED", "9"]
+    assert bench.speculation_flags("suffix", 16, timed_ngram=True)[1] == "HARTS_SUFFIX"
     rows = [dict(part="h200", load="low", concurrency=8, policy="suffix", variant="suffix@8", budget=8,
                  tokens_per_s=1.0, makespan_s=1.0, cache_hit=0.0)]
     assert "| suffix@8 |" in bench.tables(rows)[1]

@@ -386,14 +386,16 @@ class Req:
 
 
 class SuffixStep:
-    """``HartsSuffixWorker``'s drafting hook on CPU: ``corpus.synchronize()``, the worker's
+    """``HartsSuffixWorker``'s hooks on CPU: before verification the worker's
     :func:`~.sglang_plugin.gather_draft_inputs` and ``corpus.batch_get`` (sync mode: no overlap
-    splice). ``corpus``: a :class:`~.sglang_plugin.SuffixCorpus` (or a drop-in with the same
-    interface; ``gather``: the worker's input loop, default :func:`~.sglang_plugin.gather_draft_inputs`);
-    completed trajectories are indexed whole at once (``add_trajectory``, untimed), or with
-    ``queued`` as the server's feed does: queued, then indexed by ``synchronize`` at most
-    ``corpus.index_s`` (plus one slice) per step, timed as part of the step (drafts then depend on
-    timing)."""
+    splice); after it ``corpus.after_verify()`` (the feed's indexing, which the worker runs after
+    the verify forward's launch). ``corpus``: a :class:`~.sglang_plugin.SuffixCorpus` (or a drop-in
+    with the same interface; one without ``after_verify``, as ``suffix_ref``'s, gets
+    ``synchronize()`` before drafting instead; ``gather``: the worker's input loop, default
+    :func:`~.sglang_plugin.gather_draft_inputs`); completed trajectories are indexed whole at once
+    (``add_trajectory``, untimed), or with ``queued`` as the server's feed does: queued, then
+    indexed at most ``corpus.index_s`` (plus one slice) per step, timed as part of the step (drafts
+    then depend on timing)."""
 
     def __init__(self, corpus, name: str = "ours", gather=None, queued: bool = False):
         from .sglang_plugin import gather_draft_inputs
@@ -405,14 +407,16 @@ class SuffixStep:
 
     def draft(self, reqs: list[Req]) -> tuple[np.ndarray, np.ndarray]:
         c = self.corpus
-        c.synchronize()
+        if not hasattr(c, "after_verify"):
+            c.synchronize()
         bs = len(reqs)
         rids, toks, totals = self._gather(c, self._owner, self._depth, reqs, [0] * (bs * self.n), [0] * bs,
                                           self.n, False)
         return c.batch_get(rids, toks, totals)
 
     def after_verify(self, reqs: list[Req]) -> None:
-        pass
+        if hasattr(self.corpus, "after_verify"):
+            self.corpus.after_verify()
 
     def depart(self, rids: list[str]) -> None:
         self.corpus.erase_match_state(rids)
@@ -477,8 +481,11 @@ def tree_accept(ids: Sequence[int], mask: np.ndarray, target: Sequence[int]) -> 
 class StepReplayResult:
     """``steps`` (scheduler iterations), ``verifies`` (request-steps), ``emitted`` model tokens,
     ``accept_len`` (emitted / verifies); drafting cost per scheduler step ``step_us_*`` and per
-    request ``req_us_*`` (step cost / batch size), microseconds; ``mean_bs`` (requests per step);
-    ``drafts``: per step the ``(ids, mask)`` returned (when ``keep``)."""
+    request ``req_us_*`` (step cost / batch size), microseconds; of it, ``before_us_*`` the part
+    before verification (``method.draft``: on a GPU it delays the verify forward's launch) and
+    ``after_us_mean`` the part after it (``method.after_verify``: on a GPU it runs while the verify
+    forward computes); ``mean_bs`` (requests per step); ``drafts``: per step the ``(ids, mask)``
+    returned (when ``keep``)."""
 
     method: str
     steps: int = 0
@@ -491,7 +498,11 @@ class StepReplayResult:
     step_us_mean: float = 0.0
     req_us_p50: float = 0.0
     req_us_p99: float = 0.0
+    before_us_p99: float = 0.0
+    before_us_mean: float = 0.0
+    after_us_mean: float = 0.0
     step_us: list = field(default_factory=list)
+    before_us: list = field(default_factory=list)
     drafts: list = field(default_factory=list)
 
 
@@ -545,6 +556,7 @@ def replay_steps(method, streams: Sequence[Stream], batch: int = 8, keep: bool =
             e = min(k + 1, b - p)
             r.output_ids.extend(toks[p:p + e])
             res.emitted += e
+        res.before_us.append(dt / 1e3)
         t0 = clock()
         method.after_verify(reqs)
         dt += clock() - t0
@@ -574,4 +586,7 @@ def replay_steps(method, streams: Sequence[Stream], batch: int = 8, keep: bool =
         res.step_us_p50, res.step_us_p99 = float(np.percentile(st, 50)), float(np.percentile(st, 99))
         res.step_us_mean = float(st.mean())
         res.req_us_p50, res.req_us_p99 = float(np.percentile(per, 50)), float(np.percentile(per, 99))
+        bef = np.asarray(res.before_us)
+        res.before_us_p99, res.before_us_mean = float(np.percentile(bef, 99)), float(bef.mean())
+        res.after_us_mean = res.step_us_mean - res.before_us_mean
     return res

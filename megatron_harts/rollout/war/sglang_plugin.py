@@ -19,7 +19,14 @@ tokens so its whole context is drafted from (SGLang's n-gram corpus only sees th
 
 Feed: completed trajectories reach the running server through a JSONL file
 (:class:`TrajectoryFeed` appends ``{"group": ..., "tokens": [...]}`` lines; the corpus reads new
-lines at most every ``poll_s``). A request's group is the prefix of its ``rid`` before the first
+lines at most every ``poll_s`` and indexes them in the worker's ``_update_ngram_corpus`` hook,
+which runs after the verify forward is launched, so the indexing overlaps the GPU's work).
+
+Host time: the corpus adds up its host time per scheduler step (before the verify forward:
+drafting; after its launch: the feed's indexing) and logs it every
+``$HARTS_SUFFIX_TIMING_EVERY`` steps. The same entry point registers ``HARTS_NGRAM_TIMED``:
+SGLang's NGRAM worker and C++ corpus unchanged, the corpus wrapped in :class:`TimedNgramCorpus`,
+which logs the same line for the baseline. A request's group is the prefix of its ``rid`` before the first
 ``/`` (the agent loop's rids are ``group/path#turn-n``).
 
 On CPU (CI): the registration through SGLang's real entry-point loader, the corpus' draft/mask
@@ -50,6 +57,9 @@ from .suffix import ContextIndex, DrafterConfig, SuffixDrafter
 log = logging.getLogger(__name__)
 
 ALGO_NAME = "HARTS_SUFFIX"
+# SGLang's NGRAM (its worker and C++ corpus unchanged) with the corpus' host time per scheduler
+# step logged like HARTS_SUFFIX's: the baseline's side of the host-time comparison
+TIMED_NGRAM_NAME = "HARTS_NGRAM_TIMED"
 SGLANG_VERSION = "0.5.17"
 # what ``import sglang.srt.speculative.spec_info`` / ``cpp_ngram.ngram_corpus`` need beyond the venv
 # (the venv has torch, numpy, transformers, requests, pydantic, orjson, fastapi, uvicorn)
@@ -185,6 +195,65 @@ def _bits_to_mask(rows: list[int], n: int) -> np.ndarray:
     return np.unpackbits(raw.reshape(len(rows), nbytes), axis=1, bitorder="little")[:, :n].astype(bool).reshape(-1)
 
 
+def _new_timing() -> dict:
+    """Host seconds per scheduler step of a corpus (see ``SuffixCorpus.timing``)."""
+    return {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "after_s": 0.0, "max_step_s": 0.0}
+
+
+def _timing_line(name: str, t: dict, after: str) -> str:
+    """``<name> host time per step over N steps: before the forward draft X ms + sync Y ms (worst
+    step W ms), after its launch <after> Z ms`` (means over the steps, milliseconds)."""
+    k = max(1, t["steps"])
+    return (f"{name} host time per step over {t['steps']} steps: before the forward draft "
+            f"{1e3 * t['draft_s'] / k:.3f} ms + sync {1e3 * t['sync_s'] / k:.3f} ms (worst step "
+            f"{1e3 * t['max_step_s']:.2f} ms), after its launch {after} {1e3 * t['after_s'] / k:.3f} ms")
+
+
+class TimedNgramCorpus:
+    """SGLang's ``NgramCorpus`` (or any corpus with its interface) unchanged, its host time per
+    scheduler step added up as :class:`SuffixCorpus` does: ``synchronize`` and ``batch_get`` before
+    the verify forward (a step ends with ``batch_get``), ``batch_put`` after its launch (NGRAM's
+    insertion, overlapping the GPU); a line in the log every ``log_every`` steps (default
+    ``$HARTS_SUFFIX_TIMING_EVERY``). Every other attribute is the wrapped corpus'."""
+
+    def __init__(self, inner, log_every: int | None = None):
+        self.inner = inner
+        self.timing = _new_timing()
+        self.log_every = log_every if log_every is not None else log_every_from_env()
+        self._sync_dt = 0.0
+
+    def synchronize(self) -> None:
+        t0 = time.perf_counter()
+        self.inner.synchronize()
+        dt = time.perf_counter() - t0
+        self._sync_dt += dt
+        self.timing["sync_s"] += dt
+
+    def batch_get(self, req_ids, batch_tokens, total_lens):
+        t0 = time.perf_counter()
+        out = self.inner.batch_get(req_ids, batch_tokens, total_lens)
+        dt = time.perf_counter() - t0
+        t = self.timing
+        t["steps"] += 1
+        t["draft_s"] += dt
+        t["max_step_s"] = max(t["max_step_s"], dt + self._sync_dt)
+        self._sync_dt = 0.0
+        if t["steps"] % self.log_every == 0:
+            log.info("%s", self.timing_line())
+        return out
+
+    def batch_put(self, batch_tokens) -> None:
+        t0 = time.perf_counter()
+        self.inner.batch_put(batch_tokens)
+        self.timing["after_s"] += time.perf_counter() - t0
+
+    def timing_line(self) -> str:
+        return _timing_line("NGRAM", self.timing, "insertion")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 class SuffixCorpus:
     """Drop-in for SGLang's ``NgramCorpus`` inside ``NGRAMWorker``, drafting with
     :class:`SuffixDrafter`.
@@ -212,9 +281,11 @@ class SuffixCorpus:
         self.feed = feed if feed is not None else os.environ.get(CORPUS_ENV)
         self.poll_s, self._pos, self._last_poll = poll_s, 0, 0.0
         self.stats = {"calls": 0, "drafted": 0, "fed": 0, "reused": 0, "indexed": 0}
-        # host time on the scheduler's critical path (perf_counter seconds): feed polling + indexing
-        # (``synchronize``) and drafting + mask layout (``batch_get``), per scheduler step
-        self.timing = {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "max_step_s": 0.0}
+        # host time per scheduler step (perf_counter seconds). Before the verify forward, on the
+        # critical path: drafting + mask layout (``batch_get``) and feed polling + indexing when
+        # called there (``synchronize``, NgramCorpus's interface). After the forward's launch,
+        # overlapping the GPU: feed polling + indexing from the worker's ``after_verify`` hook.
+        self.timing = _new_timing()
         # scheduler steps between timing lines in the server's log (None: $HARTS_SUFFIX_TIMING_EVERY)
         self.log_every = log_every if log_every is not None else log_every_from_env()
         # a trajectory's next turn (a new rid whose context extends the last one's) takes over the
@@ -226,22 +297,35 @@ class SuffixCorpus:
         self._sync_dt = 0.0
 
     # -- NgramCorpus interface used by NGRAMWorker ------------------------------------------------
-    def synchronize(self) -> None:
+    def _index_feed(self) -> float:
+        """Poll the feed (every ``poll_s``) and index queued trajectories for at most ~``index_s``;
+        returns the seconds it took."""
         t0 = time.perf_counter()
         self.poll(force=False)
         if self.drafter._queue:
             self.stats["indexed"] += self.drafter.index_pending(max_s=self.index_s)
-        self._sync_dt = time.perf_counter() - t0
-        self.timing["sync_s"] += self._sync_dt
+        return time.perf_counter() - t0
+
+    def synchronize(self) -> None:
+        """NgramCorpus's hook before drafting: the feed's polling and indexing, on the critical path
+        (timed into the next ``batch_get``'s step)."""
+        dt = self._index_feed()
+        self._sync_dt += dt
+        self.timing["sync_s"] += dt
+
+    def after_verify(self) -> None:
+        """The worker's hook after the verify forward is launched (where NGRAM inserts into its
+        corpus): the feed's polling and indexing, overlapping the GPU's work instead of delaying
+        the next forward's launch. Same drafts as :meth:`synchronize` before the next
+        ``batch_get`` (the index gets the same trajectories, one call earlier)."""
+        self.timing["after_s"] += self._index_feed()
 
     def timing_line(self) -> str:
         """One log line: the mean host milliseconds per scheduler step this corpus cost so far
-        (feed + indexing, drafting), the worst step, and the drafting counters."""
-        t = self.timing
-        k = max(1, t["steps"])
-        return (f"HARTS_SUFFIX host time per step over {t['steps']} steps: sync {1e3 * t['sync_s'] / k:.3f} ms, "
-                f"draft {1e3 * t['draft_s'] / k:.3f} ms, worst step {1e3 * t['max_step_s']:.2f} ms; "
-                f"{self.stats['calls']} drafts of {self.stats['drafted']} tokens, {self.stats['fed']} fed "
+        (before the verify forward: drafting and any ``synchronize``; after its launch: the feed
+        and indexing), the worst step before the forward, and the drafting counters."""
+        return (_timing_line(ALGO_NAME, self.timing, "feed + indexing") +
+                f"; {self.stats['calls']} drafts of {self.stats['drafted']} tokens, {self.stats['fed']} fed "
                 f"trajectories, {self.stats['indexed']} tokens indexed")
 
     def batch_put(self, batch_tokens) -> None:
@@ -488,7 +572,10 @@ def suffix_worker_class():
             log.info("HARTS_SUFFIX worker: %d draft tokens, feed %s", n, self.ngram_corpus.feed)
 
         def _update_ngram_corpus(self, batch):
-            """NGRAM's online insertion after verify: the suffix corpus indexes in ``batch_get``."""
+            """Called after the verify forward is launched (NGRAM's online insertion): the suffix
+            corpus indexes the feed here, while the GPU works (a request's own tokens are indexed
+            in ``batch_get``)."""
+            self.ngram_corpus.after_verify()
 
         def _prepare_draft_tokens(self, batch):
             bs, stride = len(batch.reqs), self.draft_token_num
@@ -496,8 +583,7 @@ def suffix_worker_class():
             if not prev_ids.is_cpu:
                 prev_ids, prev_lens = prev_ids.cpu(), prev_lens.cpu()
             self.prev_token_ids, self.prev_accept_lens = prev_ids.tolist(), prev_lens.tolist()
-            corpus = self.ngram_corpus
-            corpus.synchronize()
+            corpus = self.ngram_corpus                # the feed is indexed in _update_ngram_corpus
             use_prev = self.enable_overlap and not batch.grammar_needs_sync()
             rids, toks, totals = gather_draft_inputs(corpus, self._owner, self._suffix_depth, batch.reqs,
                                                      self.prev_token_ids, self.prev_accept_lens, stride, use_prev)
@@ -510,11 +596,26 @@ def suffix_worker_class():
     return HartsSuffixWorker
 
 
+def timed_ngram_worker_class():
+    """``NGRAMWorker`` whose C++ ``NgramCorpus`` is wrapped in :class:`TimedNgramCorpus` (same
+    drafts, same verification; imports ``sgl_kernel``: GPU machines only)."""
+    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+
+    class HartsTimedNgramWorker(NGRAMWorker):
+        def __init__(self, server_args, *args, **kwargs):
+            super().__init__(server_args, *args, **kwargs)
+            self.ngram_corpus = TimedNgramCorpus(self.ngram_corpus)
+            log.info("%s: SGLang's NGRAM with its corpus' host time logged", TIMED_NGRAM_NAME)
+
+    return HartsTimedNgramWorker
+
+
 _registered = False
 
 
 def register() -> None:
-    """Entry point of group ``sglang.srt.plugins``: registers ``HARTS_SUFFIX`` (idempotent)."""
+    """Entry point of group ``sglang.srt.plugins``: registers ``HARTS_SUFFIX`` and
+    ``HARTS_NGRAM_TIMED`` (idempotent)."""
     global _registered
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -524,6 +625,10 @@ def register() -> None:
     @SpeculativeAlgorithm.register(ALGO_NAME, supports_overlap=True, spec_class=_spec_class())
     def _factory(server_args):
         return suffix_worker_class()
+
+    @SpeculativeAlgorithm.register(TIMED_NGRAM_NAME, supports_overlap=True, spec_class=_spec_class())
+    def _timed_ngram_factory(server_args):
+        return timed_ngram_worker_class()
 
     _registered = True
     log.info("registered speculative algorithm %s", ALGO_NAME)
