@@ -195,18 +195,57 @@ def _bits_to_mask(rows: list[int], n: int) -> np.ndarray:
     return np.unpackbits(raw.reshape(len(rows), nbytes), axis=1, bitorder="little")[:, :n].astype(bool).reshape(-1)
 
 
+class GcPauses:
+    """The process' garbage-collector pauses (``gc.callbacks``): per generation the collections and
+    their seconds since :meth:`install` (idempotent). Process-wide: a server's own allocations
+    trigger collections as much as a drafter's, which is what comparing two servers needs."""
+
+    counts = [0, 0, 0]
+    seconds = [0.0, 0.0, 0.0]
+    _t0 = 0.0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._installed:
+            import gc
+
+            gc.callbacks.append(cls._callback)
+            cls._installed = True
+
+    @classmethod
+    def _callback(cls, phase: str, info: dict) -> None:
+        if phase == "start":
+            cls._t0 = time.perf_counter()
+        else:
+            g = info.get("generation", 2)
+            cls.counts[g] += 1
+            cls.seconds[g] += time.perf_counter() - cls._t0
+
+    @classmethod
+    def snapshot(cls) -> tuple[int, int, float]:
+        """``(collections, full collections, seconds)`` so far."""
+        return sum(cls.counts), cls.counts[2], sum(cls.seconds)
+
+
 def _new_timing() -> dict:
-    """Host seconds per scheduler step of a corpus (see ``SuffixCorpus.timing``)."""
-    return {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "after_s": 0.0, "max_step_s": 0.0}
+    """Host seconds per scheduler step of a corpus (see ``SuffixCorpus.timing``), and where the
+    process' GC pauses stood when it started (``gc0``, :class:`GcPauses`)."""
+    GcPauses.install()
+    return {"steps": 0, "sync_s": 0.0, "draft_s": 0.0, "after_s": 0.0, "max_step_s": 0.0,
+            "gc0": GcPauses.snapshot()}
 
 
 def _timing_line(name: str, t: dict, after: str) -> str:
     """``<name> host time per step over N steps: before the forward draft X ms + sync Y ms (worst
-    step W ms), after its launch <after> Z ms`` (means over the steps, milliseconds)."""
+    step W ms), after its launch <after> Z ms; gc C collections (F full), G ms per step`` (means
+    over the steps, milliseconds; GC pauses of the whole process since the corpus started)."""
     k = max(1, t["steps"])
+    n, full, sec = (a - b for a, b in zip(GcPauses.snapshot(), t["gc0"]))
     return (f"{name} host time per step over {t['steps']} steps: before the forward draft "
             f"{1e3 * t['draft_s'] / k:.3f} ms + sync {1e3 * t['sync_s'] / k:.3f} ms (worst step "
-            f"{1e3 * t['max_step_s']:.2f} ms), after its launch {after} {1e3 * t['after_s'] / k:.3f} ms")
+            f"{1e3 * t['max_step_s']:.2f} ms), after its launch {after} {1e3 * t['after_s'] / k:.3f} ms; "
+            f"gc {n} collections ({full} full), {1e3 * sec / k:.3f} ms per step")
 
 
 class TimedNgramCorpus:
