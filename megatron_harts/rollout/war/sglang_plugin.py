@@ -290,6 +290,8 @@ class TimedNgramCorpus:
         return _timing_line("NGRAM", self.timing, "insertion")
 
     def __getattr__(self, name):
+        if name == "inner":                # not set yet (copy / unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
