@@ -248,7 +248,39 @@ def _timing_line(name: str, t: dict, after: str) -> str:
             f"gc {n} collections ({full} full), {1e3 * sec / k:.3f} ms per step")
 
 
-class TimedNgramCorpus:
+class _HostTiming:
+    """Host time per scheduler step of a corpus (``timing``, :func:`_new_timing`): ``_add_sync``
+    for work before drafting, ``_end_step`` with each ``batch_get``'s seconds (a step), a log line
+    (``timing_line``) every ``log_every`` steps."""
+
+    timing: dict
+    log_every: int
+    _sync_dt: float
+
+    def _init_timing(self, log_every: int | None) -> None:
+        self.timing = _new_timing()
+        # scheduler steps between timing lines in the server's log (None: $HARTS_SUFFIX_TIMING_EVERY)
+        self.log_every = log_every if log_every is not None else log_every_from_env()
+        self._sync_dt = 0.0
+
+    def _add_sync(self, dt: float) -> None:
+        self._sync_dt += dt
+        self.timing["sync_s"] += dt
+
+    def _end_step(self, dt: float) -> None:
+        t = self.timing
+        t["steps"] += 1
+        t["draft_s"] += dt
+        t["max_step_s"] = max(t["max_step_s"], dt + self._sync_dt)
+        self._sync_dt = 0.0
+        if t["steps"] % self.log_every == 0:
+            log.info("%s", self.timing_line())
+
+    def timing_line(self) -> str:
+        raise NotImplementedError
+
+
+class TimedNgramCorpus(_HostTiming):
     """SGLang's ``NgramCorpus`` (or any corpus with its interface) unchanged, its host time per
     scheduler step added up as :class:`SuffixCorpus` does: ``synchronize`` and ``batch_get`` before
     the verify forward (a step ends with ``batch_get``), ``batch_put`` after its launch (NGRAM's
@@ -257,28 +289,17 @@ class TimedNgramCorpus:
 
     def __init__(self, inner, log_every: int | None = None):
         self.inner = inner
-        self.timing = _new_timing()
-        self.log_every = log_every if log_every is not None else log_every_from_env()
-        self._sync_dt = 0.0
+        self._init_timing(log_every)
 
     def synchronize(self) -> None:
         t0 = time.perf_counter()
         self.inner.synchronize()
-        dt = time.perf_counter() - t0
-        self._sync_dt += dt
-        self.timing["sync_s"] += dt
+        self._add_sync(time.perf_counter() - t0)
 
     def batch_get(self, req_ids, batch_tokens, total_lens):
         t0 = time.perf_counter()
         out = self.inner.batch_get(req_ids, batch_tokens, total_lens)
-        dt = time.perf_counter() - t0
-        t = self.timing
-        t["steps"] += 1
-        t["draft_s"] += dt
-        t["max_step_s"] = max(t["max_step_s"], dt + self._sync_dt)
-        self._sync_dt = 0.0
-        if t["steps"] % self.log_every == 0:
-            log.info("%s", self.timing_line())
+        self._end_step(time.perf_counter() - t0)
         return out
 
     def batch_put(self, batch_tokens) -> None:
@@ -295,7 +316,7 @@ class TimedNgramCorpus:
         return getattr(self.inner, name)
 
 
-class SuffixCorpus:
+class SuffixCorpus(_HostTiming):
     """Drop-in for SGLang's ``NgramCorpus`` inside ``NGRAMWorker``, drafting with
     :class:`SuffixDrafter`.
 
@@ -326,16 +347,13 @@ class SuffixCorpus:
         # critical path: drafting + mask layout (``batch_get``) and feed polling + indexing when
         # called there (``synchronize``, NgramCorpus's interface). After the forward's launch,
         # overlapping the GPU: feed polling + indexing from the worker's ``after_verify`` hook.
-        self.timing = _new_timing()
-        # scheduler steps between timing lines in the server's log (None: $HARTS_SUFFIX_TIMING_EVERY)
-        self.log_every = log_every if log_every is not None else log_every_from_env()
+        self._init_timing(log_every)
         # a trajectory's next turn (a new rid whose context extends the last one's) takes over the
         # context trie of its previous turn instead of re-indexing the whole context (~50 ms per
         # 3K tokens in Python): parked tries of departed requests, and the live rid per trajectory
         self._parked: OrderedDict[str, ContextIndex] = OrderedDict()
         self._live: dict[str, str] = {}
         self.max_parked = 4096
-        self._sync_dt = 0.0
 
     # -- NgramCorpus interface used by NGRAMWorker ------------------------------------------------
     def _index_feed(self) -> float:
@@ -350,9 +368,7 @@ class SuffixCorpus:
     def synchronize(self) -> None:
         """NgramCorpus's hook before drafting: the feed's polling and indexing, on the critical path
         (timed into the next ``batch_get``'s step)."""
-        dt = self._index_feed()
-        self._sync_dt += dt
-        self.timing["sync_s"] += dt
+        self._add_sync(self._index_feed())
 
     def after_verify(self) -> None:
         """The worker's hook after the verify forward is launched (where NGRAM inserts into its
@@ -419,14 +435,7 @@ class SuffixCorpus:
     def batch_get(self, req_ids: list[str], batch_tokens: list[list[int]], total_lens: list[int]):
         t0 = time.perf_counter()
         out = self._batch_get(req_ids, batch_tokens, total_lens)
-        dt = time.perf_counter() - t0
-        t = self.timing
-        t["steps"] += 1
-        t["draft_s"] += dt
-        t["max_step_s"] = max(t["max_step_s"], dt + self._sync_dt)
-        self._sync_dt = 0.0
-        if t["steps"] % self.log_every == 0:
-            log.info("%s", self.timing_line())
+        self._end_step(time.perf_counter() - t0)
         return out
 
     def _batch_get(self, req_ids: list[str], batch_tokens: list[list[int]], total_lens: list[int]):
