@@ -427,6 +427,11 @@ def _prebuild_ngram(env: dict, out: dict, timeout: float) -> None:
 LOW_KINDS = ("suffix", "ngram", "none")
 
 
+def variant_slug(variant: str) -> str:
+    """A variant as a file-name part: ``suffix@8`` -> ``suffix_b8``."""
+    return variant.replace("@", "_b")
+
+
 def variant_kind(variant: str) -> str:
     """``suffix@8`` -> ``suffix``; a plain kind is itself."""
     return variant.split("@", 1)[0]
@@ -656,7 +661,8 @@ def part_h200(args, sink) -> None:
         except Exception as e:                              # noqa: BLE001
             acc = None
             log.warning("/server_info: %s", e)
-        sink.add(dict(tag, load="low", concurrency=conc, policy=policy, accept_len=acc, device=dev,
+        sink.add(dict(tag, load="low", concurrency=conc, policy=policy, algorithm=spec[policy][1] if spec[policy] else None,
+                      accept_len=acc, device=dev,
                       **({"suffix_draft": args.suffix_draft} if policy == "suffix" else {}),
                       startup_s=round(srv.startup_s or 0, 1), step1=r1, **r))
         clock.phase("row low %s: %s", policy, sink.rows[-1])
@@ -733,7 +739,7 @@ def part_h200(args, sink) -> None:
 
         def pools_allocated(v: str) -> bool:
             try:
-                return "Memory pool end" in (logs / f"low_{v.replace('@', '_b')}.log").read_text(errors="replace")
+                return "Memory pool end" in (logs / f"low_{variant_slug(v)}.log").read_text(errors="replace")
             except OSError:
                 return False
 
@@ -753,8 +759,8 @@ def part_h200(args, sink) -> None:
                     bg[-1].join()
                     if not ngram_state.get("ok"):
                         raise RuntimeError(f"NgramCorpus JIT build failed: {str(ngram_state.get('error'))[-300:]}")
-                got[v] = server(spec[v], f"low_{v.replace('@', '_b')}",
-                                logs / f"feed_{v.replace('@', '_b')}.jsonl" if variant_kind(v) == "suffix" else None,
+                got[v] = server(spec[v], f"low_{variant_slug(v)}",
+                                logs / f"feed_{variant_slug(v)}.jsonl" if variant_kind(v) == "suffix" else None,
                                 mem=mem)
             except Exception as e:                          # noqa: BLE001 - recorded as the variant's row
                 got[v] = e
@@ -772,7 +778,7 @@ def part_h200(args, sink) -> None:
                                                                f"{str(got.get(v))[:1000]}"))
         try:
             wait_bg()
-            feeds = {v: TrajectoryFeed(logs / f"feed_{v.replace('@', '_b')}.jsonl") for v in live}
+            feeds = {v: TrajectoryFeed(logs / f"feed_{variant_slug(v)}.jsonl") for v in live}
             first = {}
             for v, srv in live.items():
                 first[v] = _step([srv.engine(timeout=timeout())], None, args, conc, args.low_tasks, args.group,

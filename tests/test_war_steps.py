@@ -303,3 +303,18 @@ def test_bench_war_steps_rejects_bad_streams_and_methods_with_one_line(tmp_path)
         r = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (argv, r.stderr)
         assert want in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+
+
+def test_queued_feed_is_indexed_after_verification_and_timed_apart():
+    """With the feed queued (as the server's), the replay's suffix hook indexes finished
+    trajectories in ``after_verify`` (the worker's hook after the verify forward's launch), never
+    before drafting: the corpus' ``sync_s`` stays 0, its ``after_s`` and indexed tokens grow, and
+    the replay splits each step's host time into the part before verification and after it."""
+    streams = [s for s in load_streams(str(STREAMS)) if s.group in ("t0", "t1")]
+    corpus = SuffixCorpus(17, draft_config(17, "tree"), feed="")
+    r = replay_steps(SuffixStep(corpus, queued=True), streams, batch=8)
+    assert corpus.stats["indexed"] > 10_000 and corpus.timing["after_s"] > 0 and corpus.timing["sync_s"] == 0.0
+    assert len(r.before_us) == len(r.step_us) == r.steps
+    assert all(b <= s for b, s in zip(r.before_us, r.step_us))
+    assert r.after_us_mean == pytest.approx(r.step_us_mean - r.before_us_mean) and r.after_us_mean > 0
+    assert r.accept_len > 2.0                     # the indexed trajectories are drafted from

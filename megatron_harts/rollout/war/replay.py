@@ -390,8 +390,7 @@ class SuffixStep:
     :func:`~.sglang_plugin.gather_draft_inputs` and ``corpus.batch_get`` (sync mode: no overlap
     splice); after it ``corpus.after_verify()`` (the feed's indexing, which the worker runs after
     the verify forward's launch). ``corpus``: a :class:`~.sglang_plugin.SuffixCorpus` (or a drop-in
-    with the same interface; one without ``after_verify``, as ``suffix_ref``'s, gets
-    ``synchronize()`` before drafting instead; ``gather``: the worker's input loop, default
+    with the same interface, as ``suffix_ref``'s; ``gather``: the worker's input loop, default
     :func:`~.sglang_plugin.gather_draft_inputs`); completed trajectories are indexed whole at once
     (``add_trajectory``, untimed), or with ``queued`` as the server's feed does: queued, then
     indexed at most ``corpus.index_s`` (plus one slice) per step, timed as part of the step (drafts
@@ -407,16 +406,13 @@ class SuffixStep:
 
     def draft(self, reqs: list[Req]) -> tuple[np.ndarray, np.ndarray]:
         c = self.corpus
-        if not hasattr(c, "after_verify"):
-            c.synchronize()
         bs = len(reqs)
         rids, toks, totals = self._gather(c, self._owner, self._depth, reqs, [0] * (bs * self.n), [0] * bs,
                                           self.n, False)
         return c.batch_get(rids, toks, totals)
 
     def after_verify(self, reqs: list[Req]) -> None:
-        if hasattr(self.corpus, "after_verify"):
-            self.corpus.after_verify()
+        self.corpus.after_verify()
 
     def depart(self, rids: list[str]) -> None:
         self.corpus.erase_match_state(rids)

@@ -20,14 +20,15 @@ tokens so its whole context is drafted from (SGLang's n-gram corpus only sees th
 Feed: completed trajectories reach the running server through a JSONL file
 (:class:`TrajectoryFeed` appends ``{"group": ..., "tokens": [...]}`` lines; the corpus reads new
 lines at most every ``poll_s`` and indexes them in the worker's ``_update_ngram_corpus`` hook,
-which runs after the verify forward is launched, so the indexing overlaps the GPU's work).
+which runs after the verify forward is launched, so the indexing overlaps the GPU's work). A
+request's group is the prefix of its ``rid`` before the first ``/`` (the agent loop's rids are
+``group/path#turn-n``).
 
 Host time: the corpus adds up its host time per scheduler step (before the verify forward:
 drafting; after its launch: the feed's indexing) and logs it every
 ``$HARTS_SUFFIX_TIMING_EVERY`` steps. The same entry point registers ``HARTS_NGRAM_TIMED``:
 SGLang's NGRAM worker and C++ corpus unchanged, the corpus wrapped in :class:`TimedNgramCorpus`,
-which logs the same line for the baseline. A request's group is the prefix of its ``rid`` before the first
-``/`` (the agent loop's rids are ``group/path#turn-n``).
+which logs the same line for the baseline.
 
 On CPU (CI): the registration through SGLang's real entry-point loader, the corpus' draft/mask
 format against SGLang's own mask reader, and the feed are tested; the worker class itself needs
@@ -200,8 +201,8 @@ class GcPauses:
     their seconds since :meth:`install` (idempotent). Process-wide: a server's own allocations
     trigger collections as much as a drafter's, which is what comparing two servers needs."""
 
-    counts = [0, 0, 0]
-    seconds = [0.0, 0.0, 0.0]
+    counts = [0, 0, 0]                    # collections per generation
+    seconds = 0.0                          # their pauses in all
     _t0 = 0.0
     _installed = False
 
@@ -220,12 +221,12 @@ class GcPauses:
         else:
             g = info.get("generation", 2)
             cls.counts[g] += 1
-            cls.seconds[g] += time.perf_counter() - cls._t0
+            cls.seconds += time.perf_counter() - cls._t0
 
     @classmethod
     def snapshot(cls) -> tuple[int, int, float]:
         """``(collections, full collections, seconds)`` so far."""
-        return sum(cls.counts), cls.counts[2], sum(cls.seconds)
+        return sum(cls.counts), cls.counts[2], cls.seconds
 
 
 def _new_timing() -> dict:

@@ -412,6 +412,11 @@ class RefSuffixCorpus:
         if self.drafter._queue:
             self.stats["indexed"] += self.drafter.index_pending(max_s=self.index_s)
 
+    def after_verify(self) -> None:
+        """The worker's hook after the verify forward's launch (the current plugin indexes its feed
+        there): the same indexing as :meth:`synchronize`, so replays drive both corpora alike."""
+        self.synchronize()
+
     def batch_put(self, batch_tokens) -> None:
         """NGRAM's online insertion; the suffix corpus indexes requests in ``batch_get``."""
 
