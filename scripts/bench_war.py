@@ -506,8 +506,8 @@ def part_h200(args, sink) -> None:
     from megatron_harts.rollout.engines import SGLangServer
     from megatron_harts.rollout.war.router import RouterServer
     from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler, with_progress_priority
-    from megatron_harts.rollout.war.sglang_plugin import (CORPUS_ENV, DRAFT_ENV, TIMED_NGRAM_NAME, TIMING_ENV,
-                                                          TrajectoryFeed, write_plugin_dist)
+    from megatron_harts.rollout.war.sglang_plugin import (CORPUS_ENV, DRAFT_ENV, STEP_WALL_ENV, TIMED_NGRAM_NAME,
+                                                          TIMING_ENV, TrajectoryFeed, write_plugin_dist)
 
     clock = _Clock(args.t0, args.deadline_s)
     # -- preflight: what would make every server or step fail, before any GPU time is spent
@@ -613,9 +613,12 @@ def part_h200(args, sink) -> None:
         return max(60.0, min(1800.0, clock.left() + 30))
 
     def server(extra: list[str], name: str, feed: Path | None = None, mem: float | None = None) -> SGLangServer:
-        # the suffix server logs its host time per scheduler step every 500 steps (drafting vs verify cost)
-        e = dict(env, **({CORPUS_ENV: str(feed), DRAFT_ENV: args.suffix_draft, TIMING_ENV: "500"}
-                         if feed is not None else {TIMING_ENV: "500"} if TIMED_NGRAM_NAME in extra else {}))
+        # the suffix server logs its host time per scheduler step every 500 steps (drafting vs verify cost);
+        # with --time-ngram both it and the timed NGRAM also log their whole verify steps' wall time by
+        # batch size (synchronized at each step's end, as the scheduler without overlap does right after)
+        timed = {TIMING_ENV: "500", **({STEP_WALL_ENV: "1"} if args.time_ngram else {})}
+        e = dict(env, **({CORPUS_ENV: str(feed), DRAFT_ENV: args.suffix_draft, **timed}
+                         if feed is not None else timed if TIMED_NGRAM_NAME in extra else {}))
         srv = SGLangServer(args.model_path, mem_fraction_static=mem or frac, extra_args=common + extra, env=e,
                            log_path=str(logs / f"{name}.log"),
                            startup_timeout=max(60.0, min(400.0, clock.left() - 20)))
@@ -1190,7 +1193,8 @@ def main(argv=None) -> int:
     p.add_argument("--run-tag", default="2", help="with --add-rows: the added rows' 'run' field")
     p.add_argument("--time-ngram", action="store_true",
                    help="h200: run NGRAM as HARTS_NGRAM_TIMED (SGLang's NGRAM worker and C++ corpus, its host time "
-                        "per scheduler step logged every 500 steps like HARTS_SUFFIX's)")
+                        "per scheduler step logged every 500 steps like HARTS_SUFFIX's); both speculating servers "
+                        "then also log their verify steps' wall time by batch size ($HARTS_SPEC_STEP_WALL=1)")
     p.add_argument("--deadline-grace-s", type=float, default=20.0,
                    help="h200: past the deadline by this much, the servers are killed (a running step then fails)")
     args = p.parse_args(argv)

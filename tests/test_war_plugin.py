@@ -273,3 +273,56 @@ def test_timed_ngram_corpus_changes_nothing_but_counts_host_time(tmp_path, caplo
     assert len(lines) == 1 and lines[0].startswith("NGRAM host time per step over 2 steps: before the forward draft ")
     timed.erase_match_state(["g/0#1"])                              # passed through to the corpus
     assert "g/0#1" not in inner.ctx
+
+
+def test_verify_step_wall_times_by_batch_size(monkeypatch, caplog):
+    """``$HARTS_SPEC_STEP_WALL=1`` times whole verify steps (decode batches) by batch size, logs the
+    line every ``log_every`` timed steps, leaves prefill batches untimed, refuses a bad value in one
+    line and is ignored (with a warning) when the overlap schedule is on."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from megatron_harts.rollout.war.sglang_plugin import (STEP_WALL_ENV, StepWallTimes, _step_wall_from_env,
+                                                          _timed_verify_step)
+
+    class Mode:
+        def __init__(self, decode):
+            self.decode = decode
+
+        def is_decode(self):
+            return self.decode
+
+    worker = SimpleNamespace(enable_overlap=False, ngram_corpus=SimpleNamespace(log_every=3))
+    monkeypatch.delenv(STEP_WALL_ENV, raising=False)
+    assert _step_wall_from_env(worker, "X") is None
+    monkeypatch.setenv(STEP_WALL_ENV, "yes")
+    with pytest.raises(ValueError, match=r"\$HARTS_SPEC_STEP_WALL must be 0 or 1, got 'yes'"):
+        _step_wall_from_env(worker, "X")
+    monkeypatch.setenv(STEP_WALL_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="megatron_harts.rollout.war.sglang_plugin"):
+        assert _step_wall_from_env(SimpleNamespace(enable_overlap=True), "X") is None
+    assert any("ignored: the overlap schedule is on" in r.getMessage() for r in caplog.records)
+    worker._step_wall = _step_wall_from_env(worker, "X")
+    assert isinstance(worker._step_wall, StepWallTimes)
+
+    calls = []
+
+    def forward(batch, on_publish):
+        calls.append((len(batch.reqs), on_publish))
+        time.sleep(0.002 * len(batch.reqs))
+        return "result"
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_harts.rollout.war.sglang_plugin"):
+        for bs, decode in [(1, True), (2, True), (3, False), (2, True), (1, True)]:
+            batch = SimpleNamespace(reqs=[None] * bs, forward_mode=Mode(decode))
+            assert _timed_verify_step(worker, "X", forward, batch, "cb") == "result"
+    assert calls == [(1, "cb"), (2, "cb"), (3, "cb"), (2, "cb"), (1, "cb")]    # every batch forwarded once
+    walls = worker._step_wall
+    assert walls.count == {1: 2, 2: 2} and walls.steps == 4                      # the prefill batch untimed
+    assert 0.004 <= walls.seconds[1] < walls.seconds[2]
+    lines = [r.getMessage() for r in caplog.records if "verify step wall time" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("X verify step wall time by batch size (synchronized): 1: 1 x ")
+    assert re.fullmatch(r"X verify step wall time by batch size \(synchronized\): 1: 2 x [\d.]+ ms, "
+                        r"2: 2 x [\d.]+ ms, all: 4 x [\d.]+ ms", walls.line("X"))

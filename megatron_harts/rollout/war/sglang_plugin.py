@@ -76,6 +76,12 @@ DRAFT_ENV = "HARTS_SUFFIX_DRAFT"
 TIMING_ENV = "HARTS_SUFFIX_TIMING_EVERY"
 
 
+# "1": the two workers also time each whole verify step (draft, launch, GPU, after-launch work) with a
+# device synchronisation at its end, by batch size (StepWallTimes); honoured only with the overlap
+# schedule off, where the scheduler reads the step's results back right after it anyway
+STEP_WALL_ENV = "HARTS_SPEC_STEP_WALL"
+
+
 def log_every_from_env() -> int:
     """``$HARTS_SUFFIX_TIMING_EVERY`` (default 2000): scheduler steps between the worker's host-time
     log lines; a value that is not a positive integer is refused in one line naming the variable."""
@@ -247,6 +253,68 @@ def _timing_line(name: str, t: dict, after: str) -> str:
             f"{1e3 * t['draft_s'] / k:.3f} ms + sync {1e3 * t['sync_s'] / k:.3f} ms (worst step "
             f"{1e3 * t['max_step_s']:.2f} ms), after its launch {after} {1e3 * t['after_s'] / k:.3f} ms; "
             f"gc {n} collections ({full} full), {1e3 * sec / k:.3f} ms per step")
+
+
+class StepWallTimes:
+    """Wall seconds of whole verify steps by batch size (requests per step): ``add(bs, seconds)``;
+    ``line(name)`` is ``<name> verify step wall time by batch size (synchronized): 1: N x M ms, ...``
+    (count and mean milliseconds per batch size, ascending, then all steps). Comparing two servers
+    at equal batch sizes shows whether one's verification steps cost more, whatever the cause
+    (host work, launches or the GPU)."""
+
+    def __init__(self):
+        self.count: dict[int, int] = {}
+        self.seconds: dict[int, float] = {}
+
+    def add(self, bs: int, seconds: float) -> None:
+        self.count[bs] = self.count.get(bs, 0) + 1
+        self.seconds[bs] = self.seconds.get(bs, 0.0) + seconds
+
+    @property
+    def steps(self) -> int:
+        return sum(self.count.values())
+
+    def line(self, name: str) -> str:
+        parts = [f"{bs}: {self.count[bs]} x {1e3 * self.seconds[bs] / self.count[bs]:.3f} ms"
+                 for bs in sorted(self.count)]
+        total = sum(self.seconds.values())
+        parts.append(f"all: {self.steps} x {1e3 * total / max(1, self.steps):.3f} ms")
+        return f"{name} verify step wall time by batch size (synchronized): " + ", ".join(parts)
+
+
+def _step_wall_from_env(worker, name: str) -> StepWallTimes | None:
+    """A :class:`StepWallTimes` for ``worker`` when ``$HARTS_SPEC_STEP_WALL`` is ``1`` and the overlap
+    schedule is off (with it on, a synchronisation per step would undo the overlap: refused with a
+    warning), else ``None``."""
+    raw = os.environ.get(STEP_WALL_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"${STEP_WALL_ENV} must be 0 or 1, got {raw!r}")
+    if raw != "1":
+        return None
+    if getattr(worker, "enable_overlap", False):
+        log.warning("%s: $%s ignored: the overlap schedule is on", name, STEP_WALL_ENV)
+        return None
+    return StepWallTimes()
+
+
+def _timed_verify_step(worker, name: str, forward, batch, on_publish):
+    """``forward(batch, on_publish)`` (the parent worker's ``forward_batch_generation``); a verify
+    step (the batch decodes) is timed to the end of its GPU work into ``worker._step_wall``, whose
+    line is logged every ``worker.ngram_corpus.log_every`` timed steps."""
+    walls = worker._step_wall
+    if walls is None or not batch.forward_mode.is_decode():
+        return forward(batch, on_publish)
+    import torch
+
+    bs = len(batch.reqs)
+    t0 = time.perf_counter()
+    out = forward(batch, on_publish)
+    if torch.cuda.is_available():          # (CPU: the tests' stand-in forward)
+        torch.cuda.current_stream().synchronize()
+    walls.add(bs, time.perf_counter() - t0)
+    if walls.steps % worker.ngram_corpus.log_every == 0:
+        log.info("%s", walls.line(name))
+    return out
 
 
 class _HostTiming:
@@ -620,7 +688,11 @@ def suffix_worker_class():
                 self.ngram_corpus = SuffixCorpus(n)
             self._suffix_depth = self.ngram_corpus.drafter.cfg.max_depth
             self._owner: dict[str, int] = {}      # rid -> id(req): a reused rid starts afresh
+            self._step_wall = _step_wall_from_env(self, ALGO_NAME)
             log.info("HARTS_SUFFIX worker: %d draft tokens, feed %s", n, self.ngram_corpus.feed)
+
+        def forward_batch_generation(self, batch, on_publish=None):
+            return _timed_verify_step(self, ALGO_NAME, super().forward_batch_generation, batch, on_publish)
 
         def _update_ngram_corpus(self, batch):
             """Called after the verify forward is launched (NGRAM's online insertion): the suffix
@@ -656,7 +728,11 @@ def timed_ngram_worker_class():
         def __init__(self, server_args, *args, **kwargs):
             super().__init__(server_args, *args, **kwargs)
             self.ngram_corpus = TimedNgramCorpus(self.ngram_corpus)
+            self._step_wall = _step_wall_from_env(self, "NGRAM")
             log.info("%s: SGLang's NGRAM with its corpus' host time logged", TIMED_NGRAM_NAME)
+
+        def forward_batch_generation(self, batch, on_publish=None):
+            return _timed_verify_step(self, "NGRAM", super().forward_batch_generation, batch, on_publish)
 
     return HartsTimedNgramWorker
 
