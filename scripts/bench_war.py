@@ -507,7 +507,7 @@ def part_h200(args, sink) -> None:
     from megatron_harts.rollout.war.router import RouterServer
     from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler, with_progress_priority
     from megatron_harts.rollout.war.sglang_plugin import (CORPUS_ENV, DRAFT_ENV, STEP_WALL_ENV, TIMED_NGRAM_NAME,
-                                                          TIMING_ENV, TrajectoryFeed, write_plugin_dist)
+                                                          TIMING_ENV, TrajectoryFeed, server_timing, write_plugin_dist)
 
     clock = _Clock(args.t0, args.deadline_s)
     # -- preflight: what would make every server or step fail, before any GPU time is spent
@@ -833,7 +833,10 @@ def part_h200(args, sink) -> None:
                               spread={"tokens_per_s": [min(x["tokens_per_s"] for x in rs),
                                                        max(x["tokens_per_s"] for x in rs)],
                                       "makespan_s": [min(x["makespan_s"] for x in rs), max(x["makespan_s"] for x in rs)]},
-                              rep_rows=rs, greedy_check=check.get(v) if v != "none" else None))
+                              rep_rows=rs, greedy_check=check.get(v) if v != "none" else None,
+                              # the server's last host-time / verify wall-time lines (every 500 steps)
+                              server_timing=server_timing((logs / f"low_{variant_slug(v)}.log").read_text(
+                                  errors="replace")) or None))
                 clock.phase("row low %s: %s", v, {k_: sink.rows[-1].get(k_) for k_ in
                                                   ("tokens_per_s", "makespan_s", "spec_accept_len", "spread")})
         finally:

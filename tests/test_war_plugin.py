@@ -326,3 +326,36 @@ def test_verify_step_wall_times_by_batch_size(monkeypatch, caplog):
     assert len(lines) == 1 and lines[0].startswith("X verify step wall time by batch size (synchronized): 1: 1 x ")
     assert re.fullmatch(r"X verify step wall time by batch size \(synchronized\): 1: 2 x [\d.]+ ms, "
                         r"2: 2 x [\d.]+ ms, all: 4 x [\d.]+ ms", walls.line("X"))
+
+
+def test_server_timing_reads_the_last_lines_of_a_log():
+    """``server_timing`` parses the last host-time and wall-time lines as the two corpora and
+    ``StepWallTimes`` write them (bench_war puts them in each low-load row)."""
+    from megatron_harts.rollout.war.sglang_plugin import StepWallTimes, TimedNgramCorpus, server_timing
+
+    c = SuffixCorpus(6, feed="")
+    c.drafter.add_trajectory([5, 6, 7, 8, 9, 10, 11] * 3, "g")
+    for args in [(["g/0#1"], [[1, 5, 6]], [3]), (["g/0#1"], [[7]], [4])]:
+        c.synchronize()
+        c.batch_get(*args)
+        c.after_verify()
+    first = c.timing_line()
+    c.batch_get(["g/0#1"], [[8, 9]], [6])
+    last = c.timing_line()
+    walls = StepWallTimes()
+    for bs, dt in [(1, 0.010), (1, 0.012), (3, 0.020)]:
+        walls.add(bs, dt)
+    text = "\n".join(["noise", f"[t] INFO {first}", f"x {walls.line('HARTS_SUFFIX')}", f"[t] INFO {last}", "tail"])
+    got = server_timing(text)
+    t = c.timing
+    assert got["host"]["steps"] == 3 == t["steps"]
+    assert got["host"]["draft_ms"] == pytest.approx(1e3 * t["draft_s"] / 3, abs=6e-4)
+    assert got["host"]["after_ms"] == pytest.approx(1e3 * t["after_s"] / 3, abs=6e-4)
+    assert got["host"]["sync_ms"] == pytest.approx(1e3 * t["sync_s"] / 3, abs=6e-4)
+    assert set(got["host"]) == {"steps", "draft_ms", "sync_ms", "worst_ms", "after_ms", "gc_collections",
+                                "gc_full", "gc_ms"}
+    assert got["verify_wall"] == {"1": [2, 11.0], "3": [1, 20.0], "all": [3, 14.0]}
+    ngram = TimedNgramCorpus(SuffixCorpus(6, feed=""), log_every=10)
+    ngram.batch_get(["g/0#1"], [[1, 5, 6]], [3])
+    assert server_timing(ngram.timing_line())["host"]["steps"] == 1
+    assert server_timing("no timing here") == {}

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -280,6 +281,32 @@ class StepWallTimes:
         total = sum(self.seconds.values())
         parts.append(f"all: {self.steps} x {1e3 * total / max(1, self.steps):.3f} ms")
         return f"{name} verify step wall time by batch size (synchronized): " + ", ".join(parts)
+
+
+_HOST_LINE = re.compile(r"(\S+) host time per step over (\d+) steps: before the forward draft ([\d.]+) ms \+ sync "
+                        r"([\d.]+) ms \(worst step ([\d.]+) ms\), after its launch [^;]*? ([\d.]+) ms; gc (\d+) "
+                        r"collections \((\d+) full\), ([\d.]+) ms per step")
+_WALL_LINE = re.compile(r"(\S+) verify step wall time by batch size \(synchronized\): (.*)$", re.M)
+
+
+def server_timing(log_text: str) -> dict:
+    """The last host-time line (:func:`_timing_line`) and verify wall-time line
+    (:meth:`StepWallTimes.line`) in a server's log, parsed: ``{"host": {"steps", "draft_ms",
+    "sync_ms", "worst_ms", "after_ms", "gc_collections", "gc_full", "gc_ms"}, "verify_wall":
+    {"<bs>" | "all": [steps, mean ms]}}`` (milliseconds per scheduler step; a key is absent when its
+    line is); empty when the server logged neither."""
+    out: dict = {}
+    hosts = list(_HOST_LINE.finditer(log_text))
+    if hosts:
+        g = hosts[-1].groups()
+        out["host"] = {"steps": int(g[1]), "draft_ms": float(g[2]), "sync_ms": float(g[3]),
+                       "worst_ms": float(g[4]), "after_ms": float(g[5]), "gc_collections": int(g[6]),
+                       "gc_full": int(g[7]), "gc_ms": float(g[8])}
+    walls = list(_WALL_LINE.finditer(log_text))
+    if walls:
+        out["verify_wall"] = {k: [int(n), float(ms)] for k, n, ms in
+                              re.findall(r"(\w+): (\d+) x ([\d.]+) ms", walls[-1].group(2))}
+    return out
 
 
 def _step_wall_from_env(worker, name: str) -> StepWallTimes | None:
