@@ -355,6 +355,8 @@ def test_server_timing_reads_the_last_lines_of_a_log():
     assert set(got["host"]) == {"steps", "draft_ms", "sync_ms", "worst_ms", "after_ms", "gc_collections",
                                 "gc_full", "gc_ms"}
     assert got["verify_wall"] == {"1": [2, 11.0], "3": [1, 20.0], "all": [3, 14.0]}
+    assert got["verify_wall_lines"] == [got["verify_wall"]]
+    assert [h["steps"] for h in got["host_lines"]] == [2, 3] and got["host_lines"][-1] == got["host"]
     ngram = TimedNgramCorpus(SuffixCorpus(6, feed=""), log_every=10)
     ngram.batch_get(["g/0#1"], [[1, 5, 6]], [3])
     assert server_timing(ngram.timing_line())["host"]["steps"] == 1

@@ -290,22 +290,24 @@ _WALL_LINE = re.compile(r"(\S+) verify step wall time by batch size \(synchroniz
 
 
 def server_timing(log_text: str) -> dict:
-    """The last host-time line (:func:`_timing_line`) and verify wall-time line
-    (:meth:`StepWallTimes.line`) in a server's log, parsed: ``{"host": {"steps", "draft_ms",
+    """The host-time lines (:func:`_timing_line`) and verify wall-time lines
+    (:meth:`StepWallTimes.line`) of a server's log, parsed: ``{"host": {"steps", "draft_ms",
     "sync_ms", "worst_ms", "after_ms", "gc_collections", "gc_full", "gc_ms"}, "verify_wall":
-    {"<bs>" | "all": [steps, mean ms]}}`` (milliseconds per scheduler step; a key is absent when its
-    line is); empty when the server logged neither."""
+    {"<bs>" | "all": [steps, mean ms]}, "host_lines": [...], "verify_wall_lines": [...]}``:
+    ``host`` / ``verify_wall`` the last line (cumulative since the server started), the ``_lines``
+    every line in order, so windows of steps (e.g. without the first RL step) can be told apart
+    (milliseconds per scheduler step; a key is absent when its lines are); empty when the server
+    logged neither."""
     out: dict = {}
-    hosts = list(_HOST_LINE.finditer(log_text))
+    hosts = [{"steps": int(g[1]), "draft_ms": float(g[2]), "sync_ms": float(g[3]), "worst_ms": float(g[4]),
+              "after_ms": float(g[5]), "gc_collections": int(g[6]), "gc_full": int(g[7]), "gc_ms": float(g[8])}
+             for g in (m.groups() for m in _HOST_LINE.finditer(log_text))]
     if hosts:
-        g = hosts[-1].groups()
-        out["host"] = {"steps": int(g[1]), "draft_ms": float(g[2]), "sync_ms": float(g[3]),
-                       "worst_ms": float(g[4]), "after_ms": float(g[5]), "gc_collections": int(g[6]),
-                       "gc_full": int(g[7]), "gc_ms": float(g[8])}
-    walls = list(_WALL_LINE.finditer(log_text))
+        out["host"], out["host_lines"] = hosts[-1], hosts
+    walls = [{k: [int(n), float(ms)] for k, n, ms in re.findall(r"(\w+): (\d+) x ([\d.]+) ms", m.group(2))}
+             for m in _WALL_LINE.finditer(log_text)]
     if walls:
-        out["verify_wall"] = {k: [int(n), float(ms)] for k, n, ms in
-                              re.findall(r"(\w+): (\d+) x ([\d.]+) ms", walls[-1].group(2))}
+        out["verify_wall"], out["verify_wall_lines"] = walls[-1], walls
     return out
 
 
