@@ -262,6 +262,22 @@ def test_router_start_waits_until_every_worker_is_registered(stubs):
         assert listed == {w.url for w in stubs}
 
 
+@pytest.mark.timeout(90)
+def test_two_routers_at_once(stubs):
+    """Each router binds its own Prometheus exporter port: with sglang-router's default (29000 for
+    every router) the second of two routers alive at the same time panicked "Address already in
+    use" at start-up (seen in CI, one router shutting down while the next started)."""
+    with RouterServer([w.url for w in stubs], "round_robin") as a, RouterServer([w.url for w in stubs], "random") as b:
+        for router in (a, b):
+            with urllib.request.urlopen(f"{router.url}/workers", timeout=5) as r:
+                assert {w["url"] for w in json.loads(r.read())["workers"] if w["is_healthy"]} == {w.url for w in stubs}
+    ports = [RouterServer([stubs[0].url]).command() for _ in range(2)]
+    metrics = [c[c.index("--prometheus-port") + 1] for c in ports]
+    assert all(m.isdigit() for m in metrics)
+    named = RouterServer([stubs[0].url], extra_args=["--prometheus-port", "29123"]).command()
+    assert named.count("--prometheus-port") == 1 and named[named.index("--prometheus-port") + 1] == "29123"
+
+
 class ThreeTurns:
     """A text environment of three tool turns (no sandbox: routing is what is tested)."""
 

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from typing import Sequence
 
-from ..engines.launch import _ServerProcess
+from ..engines.launch import _ServerProcess, free_port
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
@@ -40,9 +40,14 @@ class RouterServer(_ServerProcess):
         self.extra_args = [str(a) for a in extra_args]
 
     def command(self) -> list[str]:
+        # every router binds a Prometheus exporter, by default on port 29000: a second router alive at
+        # the same time (tests, replicas' anchors one after another while the last one shuts down)
+        # panicked with "Address already in use". Each gets a free port unless the caller names one.
+        metrics = [] if any(a.startswith("--prometheus-port") for a in self.extra_args) else \
+            ["--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host))]
         return [self.python or sys.executable, "-m", "sglang_router.launch_router", "--host", self.host,
                 "--port", str(self.port), "--worker-urls", *self.worker_urls, "--policy", self.policy,
-                "--log-level", "warn", *self.extra_args]
+                "--log-level", "warn", *metrics, *self.extra_args]
 
     def _ready(self) -> bool:
         try:
