@@ -331,7 +331,8 @@ def test_verify_step_wall_times_by_batch_size(monkeypatch, caplog):
 def test_server_timing_reads_the_last_lines_of_a_log():
     """``server_timing`` parses the last host-time and wall-time lines as the two corpora and
     ``StepWallTimes`` write them (bench_war puts them in each low-load row)."""
-    from megatron_harts.rollout.war.sglang_plugin import StepWallTimes, TimedNgramCorpus, server_timing
+    from megatron_harts.rollout.war.sglang_plugin import (StepWallTimes, TimedNgramCorpus, server_timing,
+                                                          verify_wall_window)
 
     c = SuffixCorpus(6, feed="")
     c.drafter.add_trajectory([5, 6, 7, 8, 9, 10, 11] * 3, "g")
@@ -356,6 +357,14 @@ def test_server_timing_reads_the_last_lines_of_a_log():
                                 "gc_full", "gc_ms"}
     assert got["verify_wall"] == {"1": [2, 11.0], "3": [1, 20.0], "all": [3, 14.0]}
     assert got["verify_wall_lines"] == [got["verify_wall"]]
+    later = StepWallTimes()
+    for bs, dt in [(1, 0.010), (1, 0.012), (3, 0.020), (1, 0.020), (2, 0.004)]:
+        later.add(bs, dt)
+    two = server_timing(walls.line("X") + "\n" + later.line("X"))["verify_wall_lines"]
+    window = verify_wall_window(*two)                   # the steps after the first line: 1 x 20 ms, 1 x 4 ms
+    assert window.keys() == {"1", "2", "all"} and window["1"][0] == 1 and window["2"] == [1, 4.0]
+    assert window["1"][1] == pytest.approx(20.0) and window["all"][0] == 2 and window["all"][1] == pytest.approx(12.0)
+    assert verify_wall_window({}, two[0]) == two[0]
     assert [h["steps"] for h in got["host_lines"]] == [2, 3] and got["host_lines"][-1] == got["host"]
     ngram = TimedNgramCorpus(SuffixCorpus(6, feed=""), log_every=10)
     ngram.batch_get(["g/0#1"], [[1, 5, 6]], [3])

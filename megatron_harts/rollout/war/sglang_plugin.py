@@ -283,10 +283,10 @@ class StepWallTimes:
         return f"{name} verify step wall time by batch size (synchronized): " + ", ".join(parts)
 
 
-_HOST_LINE = re.compile(r"(\S+) host time per step over (\d+) steps: before the forward draft ([\d.]+) ms \+ sync "
+_HOST_LINE = re.compile(r"\S+ host time per step over (\d+) steps: before the forward draft ([\d.]+) ms \+ sync "
                         r"([\d.]+) ms \(worst step ([\d.]+) ms\), after its launch [^;]*? ([\d.]+) ms; gc (\d+) "
                         r"collections \((\d+) full\), ([\d.]+) ms per step")
-_WALL_LINE = re.compile(r"(\S+) verify step wall time by batch size \(synchronized\): (.*)$", re.M)
+_WALL_LINE = re.compile(r"\S+ verify step wall time by batch size \(synchronized\): (.*)$", re.M)
 
 
 def server_timing(log_text: str) -> dict:
@@ -299,15 +299,28 @@ def server_timing(log_text: str) -> dict:
     (milliseconds per scheduler step; a key is absent when its lines are); empty when the server
     logged neither."""
     out: dict = {}
-    hosts = [{"steps": int(g[1]), "draft_ms": float(g[2]), "sync_ms": float(g[3]), "worst_ms": float(g[4]),
-              "after_ms": float(g[5]), "gc_collections": int(g[6]), "gc_full": int(g[7]), "gc_ms": float(g[8])}
+    hosts = [{"steps": int(g[0]), "draft_ms": float(g[1]), "sync_ms": float(g[2]), "worst_ms": float(g[3]),
+              "after_ms": float(g[4]), "gc_collections": int(g[5]), "gc_full": int(g[6]), "gc_ms": float(g[7])}
              for g in (m.groups() for m in _HOST_LINE.finditer(log_text))]
     if hosts:
         out["host"], out["host_lines"] = hosts[-1], hosts
-    walls = [{k: [int(n), float(ms)] for k, n, ms in re.findall(r"(\w+): (\d+) x ([\d.]+) ms", m.group(2))}
+    walls = [{k: [int(n), float(ms)] for k, n, ms in re.findall(r"(\w+): (\d+) x ([\d.]+) ms", m.group(1))}
              for m in _WALL_LINE.finditer(log_text)]
     if walls:
         out["verify_wall"], out["verify_wall_lines"] = walls[-1], walls
+    return out
+
+
+def verify_wall_window(earlier: dict, later: dict) -> dict:
+    """The verify steps between two cumulative wall-time lines of one server (``server_timing``'s
+    ``verify_wall_lines[i]`` and ``[j]``, ``i < j``; ``{}`` as ``earlier``: from the start):
+    ``{"<bs>" | "all": [steps, mean ms]}`` of the steps logged after ``earlier`` up to ``later``
+    (batch sizes with no step in the window left out)."""
+    out = {}
+    for k, (n1, ms1) in later.items():
+        n0, ms0 = earlier.get(k, (0, 0.0))
+        if n1 > n0:
+            out[k] = [n1 - n0, (n1 * ms1 - n0 * ms0) / (n1 - n0)]
     return out
 
 
