@@ -50,6 +50,19 @@ import numpy as np
 log = logging.getLogger(__name__)
 _VERSIONS = itertools.count(1)      # trie versions, unique across tries
 _SEP = -(1 << 62)                   # CorpusIndex's trajectory separator (no token id)
+_UNSET = object()
+_NATIVE = _UNSET                    # the compiled expansion (suffix_native), None: expand in Python
+
+
+def native():
+    """The compiled draft expansion (:mod:`.suffix_native`, built at the first call), or ``None``
+    where it is off or cannot be built: the indexes then expand in Python (``_OccurrenceExpansion``,
+    the same drafts). Tests set ``_NATIVE`` to compare the two."""
+    global _NATIVE
+    if _NATIVE is _UNSET:
+        from .suffix_native import native_expansion
+        _NATIVE = native_expansion()
+    return _NATIVE
 
 
 @dataclass
@@ -553,6 +566,7 @@ class ContextIndex(_OccurrenceExpansion):
         self.max_depth = int(max_depth)
         self.tokens: list[int] = []
         self._arr = np.zeros(max(64, len(prompt) * 2), dtype=np.int64)   # tokens [capacity]; first n valid
+        self._ptr = self._arr.ctypes.data                                  # its address (native expansion)
         self._rev = np.arange(self.max_depth, dtype=np.int64)              # 0 .. max_depth-1
         self.match_state: dict[int, list] = {}        # id(trie) -> its match_from state (other sources)
         self._last: tuple[int, int, int] | None = None   # (context length, match length, cap) of the last draft
@@ -573,6 +587,7 @@ class ContextIndex(_OccurrenceExpansion):
             arr = np.zeros(max(2 * len(self._arr), n + k), dtype=np.int64)
             arr[:n] = self._arr[:n]
             self._arr = arr
+            self._ptr = arr.ctypes.data
         if k:
             self._arr[n:n + k] = chunk
         self.tokens += toks
@@ -696,6 +711,14 @@ class ContextIndex(_OccurrenceExpansion):
         # cap times that
         if beat is not None and cap * (count0 - 1) / count0 * (1.0 + 1e-9) + 1e-9 < beat:
             return None
+        nat = native()
+        if nat is not None:                # all occurrences: the one at the end continues nothing
+            ends = np.append(ends, n - 1) if type(ends) is np.ndarray else [*ends, n - 1]
+            if cfg.tree:
+                toks, probs, parents = nat.tree(self._ptr, n, _SEP, ends, m, D, budget, cap, cfg.min_token_prob)
+                return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents)
+            toks, probs = nat.chain(self._ptr, n, _SEP, ends, m, D, cap, cfg.min_token_prob)
+            return Draft(toks, probs, m, float(sum(probs)), source if toks else "")
         if cfg.tree:
             toks, probs, parents = self._expand_tree(ends, count0, m, budget, cap, cfg.min_token_prob)
             return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents)
@@ -740,6 +763,7 @@ class CorpusIndex(_OccurrenceExpansion):
 
     def _reset(self) -> None:
         self._arr = np.full(1024, self.SEP, dtype=np.int64)   # [capacity]; first _n valid, the rest SEP
+        self._ptr = self._arr.ctypes.data                       # its address (native expansion)
         self._tk: list[int] = [self.SEP, self.SEP]             # the same as a list, plus one SEP past the end
         self._n = 1                                            # position 0: a separator
         self._occ: dict[tuple, list[int]] = {}                 # n-gram (n <= 3) -> end positions (ascending)
@@ -780,6 +804,7 @@ class CorpusIndex(_OccurrenceExpansion):
             arr = np.full(max(2 * len(self._arr), p0 + k + 2), self.SEP, dtype=np.int64)
             arr[:p0] = self._arr[:p0]
             self._arr = arr
+            self._ptr = arr.ctypes.data
         self._arr[p0:p0 + k] = toks
         tk = self._tk
         prev = tk[p0 - 1]
@@ -1101,7 +1126,18 @@ class CorpusIndex(_OccurrenceExpansion):
         key = (int(ends[0]), m, cap, budget, cfg.tree, cfg.min_token_prob)   # first end + length: the string
         hit = self._memo.get(key)
         if hit is None:
-            if cfg.tree:
+            nat = native()
+            if nat is not None:
+                if m <= 3 and type(ends) is list and len(ends) > self._SMALL:
+                    key = tuple(context[len(context) - m:])
+                    if self._occ.get(key) is ends:         # an n-gram's live list: its cached array
+                        ends = self._np(key, ends)
+                if cfg.tree:
+                    hit = nat.tree(self._ptr, self._n, _SEP, ends, m, self.max_depth, budget, cap, cfg.min_token_prob)
+                else:
+                    hit = (*nat.chain(self._ptr, self._n, _SEP, ends, m, self.max_depth, cap, cfg.min_token_prob),
+                           None)
+            elif cfg.tree:
                 hit = self._expand_tree(ends, len(ends), m, budget, cap, cfg.min_token_prob)
             else:
                 hit = (*self._expand(ends, len(ends), m, cap, cfg.min_token_prob), None)

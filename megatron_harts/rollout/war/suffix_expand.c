@@ -1,0 +1,251 @@
+/* Compiled draft expansion of the suffix drafter (megatron_harts/rollout/war/suffix.py).
+ *
+ * The same expansion as SuffixTrie.expand / expand_tree, from a node given by its occurrence
+ * end positions in a token buffer (as _OccurrenceExpansion does in Python):
+ *
+ *   node         = the set of positions e where its string ends; count = their number
+ *   its children = the tokens arr[e + 1] over those e with e + 1 < n_valid and arr[e + 1] != sep
+ *                  (a separator, or the buffer's end, continues nothing); a child's count is how
+ *                  many e it follows, its ends those e + 1
+ *   q(child)     = p * c / count (doubles, evaluated left to right as Python does)
+ *
+ * expand_chain: greedy most frequent child (ties: the smaller token) while q >= min_prob, up to
+ * max_tokens tokens and depth < max_depth. expand_tree: best first by (q descending, token
+ * ascending, push order ascending), up to max_nodes nodes, paths of at most max_len tokens,
+ * depth < max_depth, q >= min_prob; a node's children are pushed in order of (count descending,
+ * token ascending) right after it is taken (none once max_nodes are taken). Both are bitwise the
+ * Python expansions' results: tested against them and the trie (tests/test_war_suffix_native.py).
+ *
+ * Plain C (no Python headers): built at first use by `cc -O2 -shared -fPIC` and called through
+ * ctypes (megatron_harts/rollout/war/suffix_native.py). No -ffast-math: the probabilities must
+ * round as Python's floats do. Returns the number of tokens written, or -1 when out of memory.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct { int64_t tok, cnt, first, fill; } slot_t;   /* hash slot: token, count, ends offset */
+
+typedef struct {                       /* a candidate node */
+    double q;
+    int64_t tok, seq, ends_off, cnt, depth, parent, plen;
+} cand_t;
+
+typedef struct { int64_t *a; int64_t n, cap; } pool_t;       /* occurrence ends of all candidates */
+
+static int pool_reserve(pool_t *p, int64_t extra) {
+    if (p->n + extra <= p->cap) return 0;
+    int64_t cap = p->cap ? p->cap : 1024;
+    while (cap < p->n + extra) cap *= 2;
+    int64_t *a = (int64_t *)realloc(p->a, (size_t)cap * sizeof(int64_t));
+    if (!a) return -1;
+    p->a = a;
+    p->cap = cap;
+    return 0;
+}
+
+typedef struct { int64_t tok, cnt, off; } kid_t;
+
+static int kid_cmp(const void *x, const void *y) {          /* count descending, token ascending */
+    const kid_t *a = (const kid_t *)x, *b = (const kid_t *)y;
+    if (a->cnt != b->cnt) return a->cnt > b->cnt ? -1 : 1;
+    return (a->tok > b->tok) - (a->tok < b->tok);
+}
+
+/* Children of the node whose `k` ends are pool->a[off:off+k] (count `count`, cumulative
+ * probability `p`) that reach min_prob: written to *kids (sorted), their ends appended to the
+ * pool. Returns how many, or -1 (out of memory). Hashes the next tokens when k is large. */
+static int64_t children(const int64_t *arr, int64_t n_valid, int64_t sep, pool_t *pool, int64_t off,
+                        int64_t k, int64_t count, double p, double min_prob, kid_t **kids,
+                        int64_t *kids_cap, slot_t **tab, int64_t *tab_cap) {
+    int64_t nk = 0;
+    int64_t size = 16;
+    while (size < 2 * k) size *= 2;
+    if (*tab_cap < size) {
+        free(*tab);
+        *tab = (slot_t *)malloc((size_t)size * sizeof(slot_t));
+        if (!*tab) { *tab_cap = 0; return -1; }
+        *tab_cap = size;
+    }
+    slot_t *t = *tab;
+    for (int64_t i = 0; i < size; i++) t[i].cnt = 0;
+    int64_t mask = size - 1, distinct = 0;
+    for (int64_t i = 0; i < k; i++) {                        /* count the tokens after the ends */
+        int64_t e = pool->a[off + i] + 1;
+        if (e >= n_valid) continue;
+        int64_t tok = arr[e];
+        if (tok == sep) continue;
+        uint64_t h = ((uint64_t)tok * 0x9E3779B97F4A7C15ull) >> 20;
+        int64_t s = (int64_t)(h & (uint64_t)mask);
+        while (t[s].cnt && t[s].tok != tok) s = (s + 1) & mask;
+        if (!t[s].cnt) { t[s].tok = tok; distinct++; }
+        t[s].cnt++;
+    }
+    if (!distinct) return 0;
+    if (*kids_cap < distinct) {
+        free(*kids);
+        *kids = (kid_t *)malloc((size_t)distinct * sizeof(kid_t));
+        if (!*kids) { *kids_cap = 0; return -1; }
+        *kids_cap = distinct;
+    }
+    int64_t total = 0;
+    for (int64_t s = 0; s < size; s++) {
+        if (!t[s].cnt) continue;
+        double q = p * (double)t[s].cnt / (double)count;
+        if (q >= min_prob) {
+            (*kids)[nk].tok = t[s].tok;
+            (*kids)[nk].cnt = t[s].cnt;
+            t[s].first = total;                              /* relative offset in the new block */
+            t[s].fill = 0;
+            total += t[s].cnt;
+            nk++;
+        } else {
+            t[s].first = -1;
+        }
+    }
+    if (!nk) return 0;
+    if (pool_reserve(pool, total) < 0) return -1;
+    int64_t base = pool->n;
+    for (int64_t i = 0; i < k; i++) {                        /* the kept children's ends */
+        int64_t e = pool->a[off + i] + 1;
+        if (e >= n_valid) continue;
+        int64_t tok = arr[e];
+        if (tok == sep) continue;
+        uint64_t h = ((uint64_t)tok * 0x9E3779B97F4A7C15ull) >> 20;
+        int64_t s = (int64_t)(h & (uint64_t)mask);
+        while (t[s].tok != tok) s = (s + 1) & mask;
+        if (t[s].first < 0) continue;
+        pool->a[base + t[s].first + t[s].fill++] = e;
+    }
+    for (int64_t j = 0; j < nk; j++) {
+        int64_t tok = (*kids)[j].tok;
+        uint64_t h = ((uint64_t)tok * 0x9E3779B97F4A7C15ull) >> 20;
+        int64_t s = (int64_t)(h & (uint64_t)mask);
+        while (t[s].tok != tok) s = (s + 1) & mask;
+        (*kids)[j].off = base + t[s].first;
+    }
+    pool->n = base + total;
+    qsort(*kids, (size_t)nk, sizeof(kid_t), kid_cmp);
+    return nk;
+}
+
+/* heap order: q descending, then token ascending, then push order ascending */
+static int before(const cand_t *a, const cand_t *b) {
+    if (a->q != b->q) return a->q > b->q;
+    if (a->tok != b->tok) return a->tok < b->tok;
+    return a->seq < b->seq;
+}
+
+static void heap_push(cand_t *h, int64_t *n, cand_t c) {
+    int64_t i = (*n)++;
+    h[i] = c;
+    while (i > 0) {
+        int64_t up = (i - 1) / 2;
+        if (!before(&h[i], &h[up])) break;
+        cand_t tmp = h[i]; h[i] = h[up]; h[up] = tmp;
+        i = up;
+    }
+}
+
+static cand_t heap_pop(cand_t *h, int64_t *n) {
+    cand_t top = h[0];
+    h[0] = h[--(*n)];
+    int64_t i = 0;
+    for (;;) {
+        int64_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < *n && before(&h[l], &h[m])) m = l;
+        if (r < *n && before(&h[r], &h[m])) m = r;
+        if (m == i) break;
+        cand_t tmp = h[i]; h[i] = h[m]; h[m] = tmp;
+        i = m;
+    }
+    return top;
+}
+
+typedef struct { pool_t pool; kid_t *kids; int64_t kids_cap; slot_t *tab; int64_t tab_cap; } scratch_t;
+
+static void scratch_free(scratch_t *s) { free(s->pool.a); free(s->kids); free(s->tab); }
+
+static int seed(scratch_t *s, const int64_t *ends, int64_t k) {
+    if (pool_reserve(&s->pool, k) < 0) return -1;
+    memcpy(s->pool.a, ends, (size_t)k * sizeof(int64_t));
+    s->pool.n = k;
+    return 0;
+}
+
+/* arr[n_valid]: the token buffer; ends[k]: the node's occurrence ends (count = k, at `depth`).
+ * Writes up to max_tokens tokens and cumulative probabilities; returns how many (-1: no memory). */
+int64_t expand_chain(const int64_t *arr, int64_t n_valid, int64_t sep, const int64_t *ends, int64_t k,
+                     int64_t depth, int64_t max_depth, int64_t max_tokens, double min_prob,
+                     int64_t *out_tok, double *out_prob) {
+    scratch_t s = {0};
+    if (seed(&s, ends, k) < 0) return -1;
+    int64_t n = 0, off = 0, count = k;
+    double p = 1.0;
+    while (n < max_tokens && depth < max_depth) {
+        int64_t nk = children(arr, n_valid, sep, &s.pool, off, count, count, p, min_prob, &s.kids, &s.kids_cap,
+                              &s.tab, &s.tab_cap);
+        if (nk < 0) { scratch_free(&s); return -1; }
+        if (nk == 0) break;
+        kid_t best = s.kids[0];                              /* most frequent, ties: smaller token */
+        p = p * (double)best.cnt / (double)count;
+        out_tok[n] = best.tok;
+        out_prob[n] = p;
+        n++;
+        off = best.off;
+        count = best.cnt;
+        depth++;
+    }
+    scratch_free(&s);
+    return n;
+}
+
+/* As expand_chain, a best-first tree: out_parent[i] is node i's parent (-1: the root's child). */
+int64_t expand_tree(const int64_t *arr, int64_t n_valid, int64_t sep, const int64_t *ends, int64_t k,
+                    int64_t depth, int64_t max_depth, int64_t max_nodes, int64_t max_len, double min_prob,
+                    int64_t *out_tok, double *out_prob, int64_t *out_parent) {
+    scratch_t s = {0};
+    int64_t hn = 0, hcap = 64, seq = 0, n = 0;
+    cand_t *heap = (cand_t *)malloc((size_t)hcap * sizeof(cand_t));
+    if (!heap || seed(&s, ends, k) < 0) { free(heap); scratch_free(&s); return -1; }
+    cand_t root = {1.0, 0, 0, 0, k, depth, -1, 0};
+    cand_t cur = root;
+    int have = 1;                       /* cur is a node whose children are to be pushed */
+    while (have) {
+        if (cur.plen < max_len && cur.depth < max_depth) {
+            int64_t nk = children(arr, n_valid, sep, &s.pool, cur.ends_off, cur.cnt, cur.cnt, cur.q, min_prob,
+                                  &s.kids, &s.kids_cap, &s.tab, &s.tab_cap);
+            if (nk < 0) { free(heap); scratch_free(&s); return -1; }
+            if (hn + nk > hcap) {
+                while (hn + nk > hcap) hcap *= 2;
+                cand_t *h = (cand_t *)realloc(heap, (size_t)hcap * sizeof(cand_t));
+                if (!h) { free(heap); scratch_free(&s); return -1; }
+                heap = h;
+            }
+            for (int64_t j = 0; j < nk; j++) {
+                cand_t c;
+                c.q = cur.q * (double)s.kids[j].cnt / (double)cur.cnt;
+                c.tok = s.kids[j].tok;
+                c.seq = seq++;
+                c.ends_off = s.kids[j].off;
+                c.cnt = s.kids[j].cnt;
+                c.depth = cur.depth + 1;
+                c.parent = n - 1;       /* the node just taken (-1 for the root) */
+                c.plen = cur.plen + 1;
+                heap_push(heap, &hn, c);
+            }
+        }
+        have = 0;
+        if (hn && n < max_nodes) {
+            cur = heap_pop(heap, &hn);
+            out_tok[n] = cur.tok;
+            out_prob[n] = cur.q;
+            out_parent[n] = cur.parent;
+            n++;
+            have = n < max_nodes;       /* else its children are never taken */
+        }
+    }
+    free(heap);
+    scratch_free(&s);
+    return n;
+}
