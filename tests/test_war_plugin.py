@@ -370,3 +370,42 @@ def test_server_timing_reads_the_last_lines_of_a_log():
     ngram.batch_get(["g/0#1"], [[1, 5, 6]], [3])
     assert server_timing(ngram.timing_line())["host"]["steps"] == 1
     assert server_timing("no timing here") == {}
+
+
+def test_verify_step_split_at_the_update_hook(monkeypatch, caplog):
+    """A timed step whose forward enters the update hook is split there: time before the hook and
+    whether the GPU was done (CPU: never), logged next to the wall line and parsed back by
+    ``server_timing``; a step that never reaches the hook is timed but not split."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from megatron_harts.rollout.war.sglang_plugin import (STEP_WALL_ENV, _mark_update_hook, _step_wall_from_env,
+                                                          _timed_verify_step, server_timing)
+
+    class Mode:
+        def is_decode(self):
+            return True
+
+    monkeypatch.setenv(STEP_WALL_ENV, "1")
+    worker = SimpleNamespace(enable_overlap=False, ngram_corpus=SimpleNamespace(log_every=3))
+    worker._step_wall = _step_wall_from_env(worker, "X")
+
+    def forward(batch, on_publish):
+        time.sleep(0.003)
+        if len(batch.reqs) != 4:                 # batches of 4 never reach the hook
+            _mark_update_hook(worker)
+        time.sleep(0.002)
+
+    with caplog.at_level(logging.INFO, logger="megatron_harts.rollout.war.sglang_plugin"):
+        for bs in (2, 2, 4):
+            _timed_verify_step(worker, "X", forward, SimpleNamespace(reqs=[None] * bs, forward_mode=Mode()), None)
+    walls = worker._step_wall
+    assert walls.count == {2: 2, 4: 1} and list(walls.split) == [2]
+    n, pre, done = walls.split[2]
+    assert n == 2 and done == 0 and 0.006 <= pre < walls.seconds[2] - 0.004
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    got = server_timing(text)
+    assert got["verify_split"] == {"2": [2, round(1e3 * pre / 2, 3), 0]}
+    assert got["verify_wall"]["4"][0] == 1
+    _mark_update_hook(SimpleNamespace(_step_wall=None))      # untimed workers: a no-op

@@ -262,15 +262,35 @@ class StepWallTimes:
     ``line(name)`` is ``<name> verify step wall time by batch size (synchronized): 1: N x M ms, ...``
     (count and mean milliseconds per batch size, ascending, then all steps). Comparing two servers
     at equal batch sizes shows whether one's verification steps cost more, whatever the cause
-    (host work, launches or the GPU)."""
+    (host work, launches or the GPU).
+
+    ``add(..., pre, idle)`` also splits a step at the worker's ``_update_ngram_corpus`` hook (where
+    SGLang's NGRAM inserts into its corpus and ours indexes its feed): ``pre`` seconds from the
+    step's start to the hook, ``idle`` whether the GPU stream had already finished its work when the
+    hook was entered (``torch.cuda.Stream.query()``, no synchronisation). If it mostly had, the host
+    work after the hook does not overlap the GPU, whatever the cause (a synchronisation on the way,
+    or a GPU faster than the host). ``split_line(name)`` is ``<name> verify step split at the update
+    hook by batch size: 1: N x P ms before, D done, ...`` (steps, mean ms before the hook, steps with
+    the GPU done at it)."""
 
     def __init__(self):
         self.count: dict[int, int] = {}
         self.seconds: dict[int, float] = {}
+        self.split: dict[int, list] = {}          # bs -> [steps, seconds before the hook, GPU done at it]
 
-    def add(self, bs: int, seconds: float) -> None:
+    def add(self, bs: int, seconds: float, pre: float | None = None, idle: bool | None = None) -> None:
         self.count[bs] = self.count.get(bs, 0) + 1
         self.seconds[bs] = self.seconds.get(bs, 0.0) + seconds
+        if pre is not None:
+            s = self.split.setdefault(bs, [0, 0.0, 0])
+            s[0] += 1
+            s[1] += pre
+            s[2] += int(bool(idle))
+
+    def split_line(self, name: str) -> str:
+        parts = [f"{bs}: {n} x {1e3 * sec / n:.3f} ms before, {done} done"
+                 for bs, (n, sec, done) in sorted(self.split.items())]
+        return f"{name} verify step split at the update hook by batch size: " + ", ".join(parts)
 
     @property
     def steps(self) -> int:
@@ -288,6 +308,7 @@ _HOST_LINE = re.compile(r"\S+ host time per step over (\d+) steps: before the fo
                         r"([\d.]+) ms \(worst step ([\d.]+) ms\), after its launch [^;]*? ([\d.]+) ms; gc (\d+) "
                         r"collections \((\d+) full\), ([\d.]+) ms per step")
 _WALL_LINE = re.compile(r"\S+ verify step wall time by batch size \(synchronized\): (.*)$", re.M)
+_SPLIT_LINE = re.compile(r"\S+ verify step split at the update hook by batch size: (.*)$", re.M)
 
 
 def server_timing(log_text: str) -> dict:
@@ -309,6 +330,11 @@ def server_timing(log_text: str) -> dict:
              for m in _WALL_LINE.finditer(log_text)]
     if walls:
         out["verify_wall"], out["verify_wall_lines"] = walls[-1], walls
+    splits = [{k: [int(n), float(ms), int(d)] for k, n, ms, d in
+               re.findall(r"(\w+): (\d+) x ([\d.]+) ms before, (\d+) done", m.group(1))}
+              for m in _SPLIT_LINE.finditer(log_text)]
+    if splits:
+        out["verify_split"], out["verify_split_lines"] = splits[-1], splits
     return out
 
 
@@ -350,14 +376,30 @@ def _timed_verify_step(worker, name: str, forward, batch, on_publish):
     import torch
 
     bs = len(batch.reqs)
+    worker._at_update = None
     t0 = time.perf_counter()
     out = forward(batch, on_publish)
     if torch.cuda.is_available():          # (CPU: the tests' stand-in forward)
         torch.cuda.current_stream().synchronize()
-    walls.add(bs, time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    at = worker._at_update
+    walls.add(bs, t1 - t0, *((at[0] - t0, at[1]) if at is not None else ()))
     if walls.steps % worker.ngram_corpus.log_every == 0:
         log.info("%s", walls.line(name))
+        if walls.split:
+            log.info("%s", walls.split_line(name))
     return out
+
+
+def _mark_update_hook(worker) -> None:
+    """At the entry of the worker's ``_update_ngram_corpus`` in a timed step: when, and whether the
+    GPU stream had finished its work then (a query, no synchronisation), for ``StepWallTimes``."""
+    if getattr(worker, "_step_wall", None) is None:
+        return
+    import torch
+
+    done = torch.cuda.current_stream().query() if torch.cuda.is_available() else False
+    worker._at_update = (time.perf_counter(), done)
 
 
 class _HostTiming:
@@ -745,6 +787,7 @@ def suffix_worker_class():
             """Called after the verify forward is launched (NGRAM's online insertion): the suffix
             corpus indexes the feed here, while the GPU works (a request's own tokens are indexed
             in ``batch_get``)."""
+            _mark_update_hook(self)
             self.ngram_corpus.after_verify()
 
         def _prepare_draft_tokens(self, batch):
@@ -780,6 +823,10 @@ def timed_ngram_worker_class():
 
         def forward_batch_generation(self, batch, on_publish=None):
             return _timed_verify_step(self, "NGRAM", super().forward_batch_generation, batch, on_publish)
+
+        def _update_ngram_corpus(self, batch):
+            _mark_update_hook(self)
+            super()._update_ngram_corpus(batch)
 
     return HartsTimedNgramWorker
 
