@@ -226,6 +226,44 @@ class QuotedLookup(LookupEnv):
         return "cat -- " + shlex.quote(call_text)
 
 
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_a_late_stream_reader_still_sends_one_event_per_interval(incremental):
+    """The streaming reader woke late (the CI's 2 cores): 16 tokens generated and the request done
+    before it read. It still sends one event per 7 tokens, as SGLang's scheduler emits them
+    (7, 7, then the final 2); only the last one carries the finish reason. Before the fix, it sent
+    one event of 14 and, after a late wake-up at the end, a final event of 8 (seen in CI)."""
+    import json
+
+    from megatron_harts.rollout.engines.embedded_server import EmbeddedEngine, _Handler, _Request
+
+    class Eng:
+        weight_version = "v0"
+        incremental_stream = incremental
+
+        def result(self, *a, **k):
+            return EmbeddedEngine.result(self, *a, **k)
+
+    req = _Request("r", [1, 2], 16, 0.0, 1.0, -1, frozenset(), None, True, stream_interval=7)
+    req.output_ids, req.logprobs = list(range(16)), [-0.5] * 16
+    req.finish, req.state = {"type": "length", "length": 16}, "done"
+    req.done.set()
+    req.tick.set()
+    chunks = []
+    h = object.__new__(_Handler)
+    h.engine = Eng()
+    h.send_response = h.send_header = lambda *a: None
+    h.end_headers = lambda: None
+    h._chunk = chunks.append
+    h._stream(req)
+    events = [json.loads(c[len(b"data: "):]) for c in chunks if c.startswith(b"data: {")]
+    ends = [e["meta_info"]["completion_tokens"] for e in events]
+    assert ends == [7, 14, 16]
+    sizes = [len(e["output_ids"]) for e in events]
+    assert sizes == ([7, 7, 2] if incremental else [7, 14, 16])
+    assert [e["meta_info"]["finish_reason"] for e in events] == [None, None, req.finish]
+    assert chunks[-2:] == [b"data: [DONE]\n\n", b""]
+
+
 def _env_factory(registry, *, hide_cut=False, lose_before_turn=None):
     """lookup tasks with 4 turns; even tasks recover by replay, odd ones by checkpoint + context cut
     (checkpoints every 2 turns, so a restore can go back a turn). ``lose_before_turn``: the

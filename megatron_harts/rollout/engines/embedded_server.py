@@ -389,15 +389,17 @@ class EmbeddedEngine:
             self._queue.append(req)
             self._cv.notify_all()
 
-    def result(self, req: _Request, n: int | None = None, start: int = 0) -> dict:
+    def result(self, req: _Request, n: int | None = None, start: int = 0, partial: bool = False) -> dict:
         """SGLang's ``/generate`` reply for a finished request; with ``n``: a streaming event with
-        the first ``n`` output tokens (``finish_reason`` null unless the request is done), or with
-        ``start`` only tokens ``start..n-1`` (incremental streaming; ``completion_tokens`` stays
-        ``n``)."""
+        the first ``n`` output tokens (``finish_reason`` null unless the request is done and the
+        event is not ``partial``, i.e. not one of the whole events a reader catches up on after the
+        end), or with ``start`` only tokens ``start..n-1`` (incremental streaming;
+        ``completion_tokens`` stays ``n``)."""
         out = list(req.output_ids if n is None else req.output_ids[start:n])
-        finish = req.finish if n is None or req.done.is_set() else None
+        final = n is None or (req.done.is_set() and not partial)
+        finish = req.finish if final else None
         meta = {"id": req.rid, "finish_reason": finish, "prompt_tokens": len(req.input_ids),
-                "weight_version": req.weight_version if req.done.is_set() else self.weight_version,
+                "weight_version": req.weight_version if final else self.weight_version,
                 "completion_tokens": len(out) if n is None else n, "cached_tokens": 0,
                 "e2e_latency": time.perf_counter() - req.t0}
         if req.spec_steps:                    # SGLang's names for speculative requests
@@ -704,6 +706,12 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 if not done:                      # whole events of `every` tokens until the end
                     n = sent + (n - sent) // every * every
+                # one event per `every` tokens, as SGLang's scheduler emits them, also when this
+                # reader woke late (several events' tokens ready, or the request finished since)
+                while n - sent > every:
+                    ev = eng.result(req, sent + every, start=sent if incremental else 0, partial=True)
+                    self._chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                    sent += every
                 if n > sent or done:
                     ev = eng.result(req, n, start=sent if incremental else 0)
                     self._chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")
