@@ -380,32 +380,39 @@ def test_verify_step_split_at_the_update_hook(monkeypatch, caplog):
     import time
     from types import SimpleNamespace
 
-    from megatron_harts.rollout.war.sglang_plugin import (STEP_WALL_ENV, _mark_update_hook, _step_wall_from_env,
-                                                          _timed_verify_step, server_timing)
+    from megatron_harts.rollout.war.sglang_plugin import (STEP_WALL_ENV, _mark_prepared, _mark_update_hook,
+                                                          _step_wall_from_env, _timed_verify_step, server_timing)
 
     class Mode:
         def is_decode(self):
             return True
 
     monkeypatch.setenv(STEP_WALL_ENV, "1")
-    worker = SimpleNamespace(enable_overlap=False, ngram_corpus=SimpleNamespace(log_every=3))
+    worker = SimpleNamespace(enable_overlap=False, ngram_corpus=SimpleNamespace(log_every=4))
     worker._step_wall = _step_wall_from_env(worker, "X")
 
     def forward(batch, on_publish):
-        time.sleep(0.003)
+        time.sleep(0.002)
+        if len(batch.reqs) != 3:                 # batches of 3: prepared time not taken
+            _mark_prepared(worker)
+        time.sleep(0.001)
         if len(batch.reqs) != 4:                 # batches of 4 never reach the hook
             _mark_update_hook(worker)
         time.sleep(0.002)
 
     with caplog.at_level(logging.INFO, logger="megatron_harts.rollout.war.sglang_plugin"):
-        for bs in (2, 2, 4):
+        for bs in (2, 2, 4, 3):
             _timed_verify_step(worker, "X", forward, SimpleNamespace(reqs=[None] * bs, forward_mode=Mode()), None)
     walls = worker._step_wall
-    assert walls.count == {2: 2, 4: 1} and list(walls.split) == [2]
-    n, pre, done = walls.split[2]
-    assert n == 2 and done == 0 and 0.006 <= pre < walls.seconds[2] - 0.004
+    assert walls.count == {2: 2, 3: 1, 4: 1} and list(walls.split) == [2, 3]
+    n, pre, done, prep, pn = walls.split[2]
+    assert n == pn == 2 and done == 0 and 0.004 <= prep < pre - 0.002 and pre < walls.seconds[2] - 0.004
+    assert walls.split[3][4] == 0
     text = "\n".join(r.getMessage() for r in caplog.records)
     got = server_timing(text)
-    assert got["verify_split"] == {"2": [2, round(1e3 * pre / 2, 3), 0]}
+    assert got["verify_split"] == {"2": [2, round(1e3 * pre / 2, 3), 0, round(1e3 * prep / 2, 3)],
+                                   "3": [1, round(1e3 * walls.split[3][1], 3), 0]}
     assert got["verify_wall"]["4"][0] == 1
+    old = "X verify step split at the update hook by batch size: 1: 68 x 27.022 ms before, 1 done"
+    assert server_timing(old)["verify_split"] == {"1": [68, 27.022, 1]}       # runs 14-15's lines
     _mark_update_hook(SimpleNamespace(_step_wall=None))      # untimed workers: a no-op

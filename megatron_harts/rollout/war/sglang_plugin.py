@@ -269,27 +269,36 @@ class StepWallTimes:
     step's start to the hook, ``idle`` whether the GPU stream had already finished its work when the
     hook was entered (``torch.cuda.Stream.query()``, no synchronisation). If it mostly had, the host
     work after the hook does not overlap the GPU, whatever the cause (a synchronisation on the way,
-    or a GPU faster than the host). ``split_line(name)`` is ``<name> verify step split at the update
-    hook by batch size: 1: N x P ms before, D done, ...`` (steps, mean ms before the hook, steps with
-    the GPU done at it)."""
+    or a GPU faster than the host). ``prep``: seconds from the step's start to the end of the
+    worker's ``_prepare_for_speculative_decoding`` (drafts and tree mask built and copied: the verify
+    forward can be launched), so that ``pre - prep`` is the forward's launch and the sampling.
+    ``split_line(name)`` is ``<name> verify step split at the update hook by batch size: 1: N x R ms
+    prepared, P ms before, D done, ...`` (steps, mean ms to the end of the preparation, mean ms
+    before the hook, steps with the GPU done at it; "R ms prepared, " only where measured)."""
 
     def __init__(self):
         self.count: dict[int, int] = {}
         self.seconds: dict[int, float] = {}
-        self.split: dict[int, list] = {}          # bs -> [steps, seconds before the hook, GPU done at it]
+        # bs -> [steps, seconds before the hook, GPU done at it, seconds prepared, steps with it]
+        self.split: dict[int, list] = {}
 
-    def add(self, bs: int, seconds: float, pre: float | None = None, idle: bool | None = None) -> None:
+    def add(self, bs: int, seconds: float, pre: float | None = None, idle: bool | None = None,
+            prep: float | None = None) -> None:
         self.count[bs] = self.count.get(bs, 0) + 1
         self.seconds[bs] = self.seconds.get(bs, 0.0) + seconds
         if pre is not None:
-            s = self.split.setdefault(bs, [0, 0.0, 0])
+            s = self.split.setdefault(bs, [0, 0.0, 0, 0.0, 0])
             s[0] += 1
             s[1] += pre
             s[2] += int(bool(idle))
+            if prep is not None:
+                s[3] += prep
+                s[4] += 1
 
     def split_line(self, name: str) -> str:
-        parts = [f"{bs}: {n} x {1e3 * sec / n:.3f} ms before, {done} done"
-                 for bs, (n, sec, done) in sorted(self.split.items())]
+        parts = [f"{bs}: {n} x " + (f"{1e3 * psec / pn:.3f} ms prepared, " if pn == n else "") +
+                 f"{1e3 * sec / n:.3f} ms before, {done} done"
+                 for bs, (n, sec, done, psec, pn) in sorted(self.split.items())]
         return f"{name} verify step split at the update hook by batch size: " + ", ".join(parts)
 
     @property
@@ -330,8 +339,9 @@ def server_timing(log_text: str) -> dict:
              for m in _WALL_LINE.finditer(log_text)]
     if walls:
         out["verify_wall"], out["verify_wall_lines"] = walls[-1], walls
-    splits = [{k: [int(n), float(ms), int(d)] for k, n, ms, d in
-               re.findall(r"(\w+): (\d+) x ([\d.]+) ms before, (\d+) done", m.group(1))}
+    splits = [{k: [int(n), float(ms), int(d)] + ([float(pr)] if pr else []) for k, n, pr, ms, d in
+               re.findall(r"(\w+): (\d+) x (?:([\d.]+) ms prepared, )?([\d.]+) ms before, (\d+) done",
+                          m.group(1))}
               for m in _SPLIT_LINE.finditer(log_text)]
     if splits:
         out["verify_split"], out["verify_split_lines"] = splits[-1], splits
@@ -376,14 +386,15 @@ def _timed_verify_step(worker, name: str, forward, batch, on_publish):
     import torch
 
     bs = len(batch.reqs)
-    worker._at_update = None
+    worker._at_update = worker._at_prepared = None
     t0 = time.perf_counter()
     out = forward(batch, on_publish)
     if torch.cuda.is_available():          # (CPU: the tests' stand-in forward)
         torch.cuda.current_stream().synchronize()
     t1 = time.perf_counter()
-    at = worker._at_update
-    walls.add(bs, t1 - t0, *((at[0] - t0, at[1]) if at is not None else ()))
+    at, prep = worker._at_update, worker._at_prepared
+    walls.add(bs, t1 - t0, *((at[0] - t0, at[1]) if at is not None else ()),
+              prep=prep - t0 if prep is not None and at is not None else None)
     if walls.steps % worker.ngram_corpus.log_every == 0:
         log.info("%s", walls.line(name))
         if walls.split:
@@ -400,6 +411,12 @@ def _mark_update_hook(worker) -> None:
 
     done = torch.cuda.current_stream().query() if torch.cuda.is_available() else False
     worker._at_update = (time.perf_counter(), done)
+
+
+def _mark_prepared(worker) -> None:
+    """At the end of the worker's ``_prepare_for_speculative_decoding`` in a timed step: when."""
+    if getattr(worker, "_step_wall", None) is not None:
+        worker._at_prepared = time.perf_counter()
 
 
 class _HostTiming:
@@ -783,6 +800,10 @@ def suffix_worker_class():
         def forward_batch_generation(self, batch, on_publish=None):
             return _timed_verify_step(self, ALGO_NAME, super().forward_batch_generation, batch, on_publish)
 
+        def _prepare_for_speculative_decoding(self, batch):
+            super()._prepare_for_speculative_decoding(batch)
+            _mark_prepared(self)
+
         def _update_ngram_corpus(self, batch):
             """Called after the verify forward is launched (NGRAM's online insertion): the suffix
             corpus indexes the feed here, while the GPU works (a request's own tokens are indexed
@@ -823,6 +844,10 @@ def timed_ngram_worker_class():
 
         def forward_batch_generation(self, batch, on_publish=None):
             return _timed_verify_step(self, "NGRAM", super().forward_batch_generation, batch, on_publish)
+
+        def _prepare_for_speculative_decoding(self, batch):
+            super()._prepare_for_speculative_decoding(batch)
+            _mark_prepared(self)
 
         def _update_ngram_corpus(self, batch):
             _mark_update_hook(self)
