@@ -146,7 +146,7 @@ def _key(d):
 @settings(max_examples=200, deadline=None)
 @given(pieces=st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), min_size=1, max_size=6),
        depth=st.integers(2, 12), budget=st.integers(1, 8), minp=st.sampled_from([0.0, 0.1, 0.3]),
-       factor=st.sampled_from([1.0, 2.0]), offset=st.sampled_from([0.0, 1.5]), min_match=st.integers(1, 3),
+       factor=st.sampled_from([1.0, 2.0]), offset=st.sampled_from([0.0, 1.5, -2.5]), min_match=st.integers(1, 3),
        tree=st.booleans(), small=st.sampled_from([0, 3, 32]))
 def test_context_index_draft_equals_a_trie_of_the_context(pieces, depth, budget, minp, factor, offset, min_match, tree,
                                                          small):
@@ -238,19 +238,21 @@ def test_tree_accept_walks_the_mask():
 @given(trajs=st.lists(st.lists(st.integers(-1, 3), min_size=1, max_size=40), min_size=1, max_size=6),
        pieces=st.lists(st.lists(st.integers(-1, 3), min_size=0, max_size=12), min_size=1, max_size=6),
        depth=st.integers(2, 12), budget=st.integers(1, 8), minp=st.sampled_from([0.0, 0.1, 0.3]),
-       factor=st.sampled_from([1.0, 2.0]), offset=st.sampled_from([0.0, 1.5]), min_match=st.integers(1, 3),
-       tree=st.booleans(), small=st.sampled_from([0, 3, 32]), chunk=st.integers(1, 50), evict=st.integers(0, 3))
+       factor=st.sampled_from([1.0, 2.0]), offset=st.sampled_from([0.0, 1.5, -2.5]), min_match=st.integers(1, 3),
+       tree=st.booleans(), small=st.sampled_from([0, 3, 32]), chunk=st.integers(1, 50), evict=st.integers(0, 3),
+       by_ptr=st.booleans())
 # found by hypothesis (2026-12-03): a match state holding a Python list of more than _SMALL occurrences
 # was filtered as a numpy array (TypeError)
 @example(trajs=[[0, 0, 0, 0]], pieces=[[0]], depth=5, budget=1, minp=0.0, factor=1.0, offset=0.0, min_match=1,
-         tree=False, small=0, chunk=1, evict=0)
+         tree=False, small=0, chunk=1, evict=0, by_ptr=False)
 def test_corpus_index_draft_equals_a_trie_of_the_trajectories(trajs, pieces, depth, budget, minp, factor, offset,
-                                                             min_match, tree, small, chunk, evict):
+                                                             min_match, tree, small, chunk, evict, by_ptr):
     """``CorpusIndex.draft`` (occurrence positions over the concatenated trajectories) equals
     ``SuffixTrie.draft`` of a trie holding the same trajectories, with the last one partly indexed
     (streamed in chunks), after FIFO removals (and a compaction), for a query extended between
     calls (its match state carried across calls and index changes), on the numpy (``small`` 0) and
-    the Python paths (tokens may be negative: the separator is none of them)."""
+    the Python paths (tokens may be negative: the separator is none of them); ``by_ptr``: the query
+    also passed as a ``ContextIndex``'s buffer (the compiled trigram match, when built)."""
     cfg = DrafterConfig(max_depth=depth, budget=budget, min_token_prob=minp, max_spec_factor=factor,
                         max_spec_offset=offset, min_match=min_match, tree=tree)
     idx, trie = CorpusIndex(depth), suffix_ref.SuffixTrie(depth)
@@ -260,7 +262,12 @@ def test_corpus_index_draft_equals_a_trie_of_the_trajectories(trajs, pieces, dep
 
     def check(i):
         b = budget if i % 2 == 0 else max(1, budget - 1)      # the cap changes: the bound must not leak
-        assert _key(idx.draft(query, cfg, b, "group", s_idx)) == _key(trie.draft(query, cfg, b, "group", s_trie))
+        ptr = None
+        if by_ptr:
+            qc = ContextIndex(depth, query)
+            ptr = qc._ptr
+        assert (_key(idx.draft(query, cfg, b, "group", s_idx, ctx_ptr=ptr)) ==
+                _key(trie.draft(query, cfg, b, "group", s_trie)))
 
     for i, t in enumerate(trajs):
         fi, ft = None, None

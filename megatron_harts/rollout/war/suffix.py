@@ -704,6 +704,19 @@ class ContextIndex(_OccurrenceExpansion):
         budget = cfg.budget if budget is None else budget
         D, n = self.max_depth, len(self.tokens)
         max_len = max(1, D - budget)
+        nat = native()
+        if nat is not None:                # match and expansion in one compiled call
+            hi, bound = min(n, max_len, D - 1), min(max_len, D - 1)
+            st = self._last
+            if st is not None and st[2] == bound and n >= st[0]:
+                hi = min(hi, st[1] + n - st[0])
+            m, toks, probs, parents = nat.context(self._ptr, n, hi, cfg.min_match, cfg.max_spec_factor,
+                                                  cfg.max_spec_offset, budget, cfg.tree, D, cfg.min_token_prob)
+            self._last = (n, m, bound)
+            if m < cfg.min_match or min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset))) <= 0:
+                return Draft()
+            return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents if toks else
+                         ([] if cfg.tree else None))
         m, ends = self._match(min(n, max_len, D - 1), min(max_len, D - 1))
         if m < cfg.min_match:
             return Draft()
@@ -716,14 +729,6 @@ class ContextIndex(_OccurrenceExpansion):
         # cap times that
         if beat is not None and cap * (count0 - 1) / count0 * (1.0 + 1e-9) + 1e-9 < beat:
             return None
-        nat = native()
-        if nat is not None:                # all occurrences: the one at the end continues nothing
-            ends = np.append(ends, n - 1) if type(ends) is np.ndarray else [*ends, n - 1]
-            if cfg.tree:
-                toks, probs, parents = nat.tree(self._ptr, n, _SEP, ends, m, D, budget, cap, cfg.min_token_prob)
-                return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents)
-            toks, probs = nat.chain(self._ptr, n, _SEP, ends, m, D, cap, cfg.min_token_prob)
-            return Draft(toks, probs, m, float(sum(probs)), source if toks else "")
         if cfg.tree:
             toks, probs, parents = self._expand_tree(ends, count0, m, budget, cap, cfg.min_token_prob)
             return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents)
@@ -944,19 +949,25 @@ class CorpusIndex(_OccurrenceExpansion):
         """The occurrence list of an n-gram (live: read it, never change it)."""
         return self._occ[key]
 
-    def _search(self, ctx: Sequence[int], hi: int):
+    def _search(self, ctx: Sequence[int], hi: int, ctx_ptr: int | None = None):
         """Longest ``m <= hi`` such that ``ctx[-m:]`` has a continued occurrence; ``(m, ends)``
         with ``ends`` all its occurrences (ascending), ``(0, None)`` if none. Up to 3 tokens: an
         n-gram with a successor; longer: the trigram's occurrences filtered by the earlier tokens
         one length at a time (numpy beyond ``_SMALL`` of them, then Python) while more than
-        ``_FEW`` are left, then each remaining occurrence's own match length."""
+        ``_FEW`` are left, then each remaining occurrence's own match length. ``ctx_ptr``: the
+        address of ``ctx`` as int64 (a ``ContextIndex``'s buffer): the trigram's occurrences are
+        then matched in C (the same rule, ``suffix_expand.c: corpus_match``)."""
         n = len(ctx)
         if hi <= 0 or n == 0 or not self.num_tokens:
             return 0, None
         if hi >= 3 and n >= 3:
             key = tuple(ctx[n - 3:])
             lst = self._occ.get(key)
-            if lst is not None and self._continued(lst):
+            if lst is not None and ctx_ptr is not None and (nat := native()) is not None:
+                m, ends = nat.corpus_match(self._ptr, self._n, _SEP, self._np(key, lst), ctx_ptr, n, hi)
+                if m:
+                    return m, ends
+            elif lst is not None and self._continued(lst):
                 tk, L, ends = self._tk, 3, lst    # every occurrence in ends matches L tokens
                 if len(lst) > self._FILTER_NP:
                     ends, a = self._np(key, lst), self._arr
@@ -1003,7 +1014,7 @@ class CorpusIndex(_OccurrenceExpansion):
                 return d, self._ends(key)
         return 0, None
 
-    def match_from(self, ctx: Sequence[int], max_len: int, state: list | None):
+    def match_from(self, ctx: Sequence[int], max_len: int, state: list | None, ctx_ptr: int | None = None):
         """``SuffixTrie.match_from``: ``(m, ends)`` of the longest continued suffix of ``ctx``
         (``m <= max_len``), reusing ``state`` = ``[version, context length, m, ends, max_len]``:
         with ``j`` tokens appended and the index unchanged the match is at most ``m + j`` long,
@@ -1035,7 +1046,7 @@ class CorpusIndex(_OccurrenceExpansion):
                     state[1:4] = [n, m0 + j, ends]
                     return m0 + j, ends
             hi = min(hi, m0 + j)
-        m, ends = self._search(ctx, hi)
+        m, ends = self._search(ctx, hi, ctx_ptr)
         if state is not None:
             state[:] = [self.version, n, m, ends, max_len]
         return m, ends
@@ -1101,7 +1112,7 @@ class CorpusIndex(_OccurrenceExpansion):
 
     def draft(self, context: Sequence[int], cfg: DrafterConfig, budget: int | None = None,
               source: str = "", state: list | None = None, beat: float | None = None,
-              twin: tuple | None = None, copy: bool = True) -> Draft | None:
+              twin: tuple | None = None, copy: bool = True, ctx_ptr: int | None = None) -> Draft | None:
         """``SuffixTrie.draft`` of a trie holding the indexed streams, bitwise. ``beat``: return
         ``None`` instead when the draft's score provably stays below ``beat`` (as
         :meth:`ContextIndex.draft`: a draft of paths of at most ``cap`` tokens scores at most
@@ -1111,7 +1122,7 @@ class CorpusIndex(_OccurrenceExpansion):
         string and of its continuations lies in this index's streams, so the draft is the twin's.
         ``copy=False``: the draft's lists are the memoised ones (read them, never change them)."""
         budget = cfg.budget if budget is None else budget
-        m, ends = self.match_from(context, max(1, self.max_depth - budget), state)
+        m, ends = self.match_from(context, max(1, self.max_depth - budget), state, ctx_ptr)
         if m < cfg.min_match:
             return Draft()
         cap = min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset)))
@@ -1247,6 +1258,7 @@ class SuffixDrafter:
         plain token list, then only the trajectory index is used)."""
         is_ctx = isinstance(ctx, ContextIndex)
         tokens, states = (ctx.tokens, ctx.match_state) if is_ctx else (list(ctx), {})
+        ptr = ctx._ptr if is_ctx else None            # the context as int64 (compiled matching)
         sources = []
         if group is not None and group in self.groups:
             sources.append((self.groups[group], "group"))
@@ -1261,10 +1273,10 @@ class SuffixDrafter:
             # global draft when the match is the same there (the global index holds the group's)
             (gi, gname), (wi, wname) = sources
             sw = states.setdefault(id(wi), [-1, 0, 0, 0, 0])
-            dw = wi.draft(tokens, self.cfg, budget, wname, sw, copy=False)
+            dw = wi.draft(tokens, self.cfg, budget, wname, sw, copy=False, ctx_ptr=ptr)
             twin = (sw[2], len(sw[3]), dw) if dw.match_len and sw[3] is not None else None
             dg = gi.draft(tokens, self.cfg, budget, gname, states.setdefault(id(gi), [-1, 0, 0, 0, 0]),
-                          beat=dw.score if dw.score > 0.0 else None, twin=twin, copy=False)
+                          beat=dw.score if dw.score > 0.0 else None, twin=twin, copy=False, ctx_ptr=ptr)
             if dg is not None and dg.score > 0.0 and dg.score >= dw.score:
                 best = dg
             elif dw.score > 0.0:
@@ -1272,7 +1284,7 @@ class SuffixDrafter:
         else:
             for trie, name in sources:
                 d = trie.draft(tokens, self.cfg, budget, name, states.setdefault(id(trie), [-1, 0, 0, 0, 0]),
-                               copy=False)
+                               copy=False, ctx_ptr=ptr)
                 if d.score > best.score:
                     best = d
         if is_ctx:

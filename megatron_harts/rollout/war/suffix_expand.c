@@ -20,6 +20,7 @@
  * ctypes (megatron_harts/rollout/war/suffix_native.py). No -ffast-math: the probabilities must
  * round as Python's floats do. Returns the number of tokens written, or -1 when out of memory.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -248,4 +249,67 @@ int64_t expand_tree(const int64_t *arr, int64_t n_valid, int64_t sep, const int6
     free(heap);
     scratch_free(&s);
     return n;
+}
+
+/* A request's context draft in one call (ContextIndex.draft: match, then expansion).
+ * arr[n]: the context. The match: the longest m <= hi such that arr[n-m:] also occurs ending at
+ * some e < n - 1 (so it has a continuation); the node's occurrences are those e and n - 1 (the
+ * context's end, which continues nothing). m < min_match: no draft. The length cap is
+ * min(budget, floor(factor * m + offset)) (Python's float arithmetic; <= 0: no draft). Then the
+ * tree (tree != 0: max_nodes = budget, paths of at most the cap) or the chain (at most the cap).
+ * Writes the match length to *out_m (0 if none) and returns the tokens written (-1: no memory). */
+int64_t context_draft(const int64_t *arr, int64_t n, int64_t hi, int64_t min_match, double factor,
+                      double offset, int64_t budget, int64_t tree, int64_t max_depth, double min_prob,
+                      int64_t *out_m, int64_t *out_tok, double *out_prob, int64_t *out_parent) {
+    *out_m = 0;
+    if (hi <= 0 || n < 2) return 0;
+    int64_t last = arr[n - 1], best = 0, k = 0;
+    int64_t *ends = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+    if (!ends) return -1;
+    for (int64_t e = 0; e < n - 1; e++) {                    /* occurrences of the last token */
+        if (arr[e] != last) continue;
+        int64_t L = 1;
+        while (L < hi && e >= L && arr[e - L] == arr[n - 1 - L]) L++;
+        if (L > best) { best = L; k = 0; }
+        if (L == best) ends[k++] = e;
+    }
+    *out_m = best;
+    if (best == 0 || best < min_match) { free(ends); return 0; }
+    double capf = floor(factor * (double)best + offset);
+    int64_t cap = capf < (double)budget ? (int64_t)capf : budget;
+    if (cap <= 0) { free(ends); return 0; }
+    ends[k++] = n - 1;                                       /* the end: counted, no continuation */
+    int64_t r = tree ? expand_tree(arr, n, INT64_MIN, ends, k, best, max_depth, budget, cap, min_prob,
+                                   out_tok, out_prob, out_parent)
+                     : expand_chain(arr, n, INT64_MIN, ends, k, best, max_depth, cap, min_prob, out_tok, out_prob);
+    free(ends);
+    return r;
+}
+
+/* CorpusIndex._search past the trigram (its longest-match rule): occ[k], the end positions of the
+ * context's last 3 tokens in arr (ascending); ctx[n_ctx] the context. Each occurrence's match
+ * length L (3 <= L <= hi: arr[e - l] == ctx[n_ctx - 1 - l] for l < L; a separator matches no
+ * token, so a match never crosses into another stream); m = the largest L over the occurrences
+ * that continue (arr[e + 1] is a token: not sep, e + 1 < n_valid). Writes the occurrences with
+ * L >= m to out_ends (ascending) and m to *out_m; returns how many (0 and *out_m = 0 when no
+ * occurrence continues). */
+int64_t corpus_match(const int64_t *arr, int64_t n_valid, int64_t sep, const int64_t *occ, int64_t k,
+                     const int64_t *ctx, int64_t n_ctx, int64_t hi, int64_t *out_m, int64_t *out_ends) {
+    int64_t best = 0, cnt = 0;
+    *out_m = 0;
+    for (int64_t i = 0; i < k; i++) {                        /* the best over continued occurrences */
+        int64_t e = occ[i];
+        if (e + 1 >= n_valid || arr[e + 1] == sep) continue;
+        int64_t L = 3;
+        while (L < hi && e >= L && arr[e - L] == ctx[n_ctx - 1 - L]) L++;
+        if (L > best) best = L;
+    }
+    if (!best) return 0;
+    for (int64_t i = 0; i < k; i++) {                        /* every occurrence that long */
+        int64_t e = occ[i], L = 3;
+        while (L < best && e >= L && arr[e - L] == ctx[n_ctx - 1 - L]) L++;
+        if (L >= best) out_ends[cnt++] = e;
+    }
+    *out_m = best;
+    return cnt;
 }

@@ -3,7 +3,7 @@
 :func:`native_expansion` returns an :class:`NativeExpansion` (or ``None`` where it cannot be
 built: no C compiler, or ``$HARTS_SUFFIX_NATIVE=0``, logged once). The C source is compiled with
 the system compiler (``$CC``, else ``cc``; ``-O2 -shared -fPIC``, no fast-math: probabilities must
-round as Python's floats do) into ``$HARTS_NATIVE_CACHE`` (default ``~/.cache/megatron_harts``),
+round as Python's floats do, no contraction into fused multiply-adds) into ``$HARTS_NATIVE_CACHE`` (default ``~/.cache/megatron_harts``),
 named by the source's hash, and loaded through ctypes; no Python headers are needed, so the
 same path works in an SGLang server's environment. Building takes ~0.3 s, once per machine;
 concurrent builders (several servers starting) each write their own file and rename it in place.
@@ -43,6 +43,15 @@ class NativeExpansion:
         self._tree = lib.expand_tree
         self._tree.restype = i64
         self._tree.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, dbl, ptr, ptr, ptr]
+        self._ctx = lib.context_draft
+        self._ctx.restype = i64
+        self._ctx.argtypes = [ptr, i64, i64, i64, dbl, dbl, i64, i64, i64, dbl, ptr, ptr, ptr, ptr]
+        self._match = lib.corpus_match
+        self._match.restype = i64
+        self._match.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr]
+        self._ends_buf = np.empty(0, dtype=np.int64)
+        self._m = np.zeros(1, dtype=np.int64)
+        self._m_ptr = self._m.ctypes.data
         self._cap = 0
         self._grow(64)
 
@@ -89,13 +98,46 @@ class NativeExpansion:
         return self._tok[:n].tolist(), self._prob[:n].tolist(), self._par[:n].tolist()
 
 
+    def context(self, arr: int, n: int, hi: int, min_match: int, factor: float, offset: float, budget: int,
+                tree: bool, max_depth: int, min_prob: float):
+        """``ContextIndex.draft`` of the context ``arr[:n]`` (address of int64 ``[>= n]``) in one call:
+        the longest continued suffix of at most ``hi`` tokens, then the chain or tree from it
+        (``SuffixTrie.draft``'s cap and rules). Returns ``(match length, tokens, probabilities,
+        parents or None)``; no draft: empty lists (the match length may still be > 0)."""
+        self._grow(budget)
+        t, p, q = self._ptrs
+        k = self._ctx(arr, n, hi, min_match, factor, offset, budget, 1 if tree else 0, max_depth, min_prob,
+                      self._m_ptr, t, p, q)
+        if k < 0:
+            raise MemoryError("suffix_expand.c: context_draft ran out of memory")
+        m = int(self._m[0])
+        if not k:
+            return m, [], [], ([] if tree else None)
+        return m, self._tok[:k].tolist(), self._prob[:k].tolist(), (self._par[:k].tolist() if tree else None)
+
+
+    def corpus_match(self, arr: int, n_valid: int, sep: int, occ: np.ndarray, ctx: int, n_ctx: int, hi: int):
+        """``CorpusIndex._search``'s rule from the trigram's occurrences ``occ`` (int64 array,
+        ascending) in the buffer at ``arr``, for the context at address ``ctx`` (int64 ``[n_ctx]``):
+        ``(m, ends)``, ``ends`` an int64 array of the occurrences matching ``m >= 3`` tokens;
+        ``(0, None)`` when no occurrence continues."""
+        k = len(occ)
+        if len(self._ends_buf) < k:
+            self._ends_buf = np.empty(max(k, 2 * len(self._ends_buf)), dtype=np.int64)
+        cnt = self._match(arr, n_valid, sep, occ.ctypes.data, k, ctx, n_ctx, hi, self._m_ptr, self._ends_buf.ctypes.data)
+        if not cnt:
+            return 0, None
+        return int(self._m[0]), self._ends_buf[:cnt].copy()
+
+
 def build(cache_dir: str | os.PathLike | None = None) -> Path:
     """Compile ``suffix_expand.c`` (if not built yet) and return the shared library's path.
     Raises ``RuntimeError`` with the compiler's message when it fails."""
     src = _SRC.read_bytes()
     cc = os.environ.get("CC", "cc")
-    flags = ["-O2", "-shared", "-fPIC", "-fno-fast-math", "-std=c99"]
-    tag = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    flags = ["-O2", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off", "-std=c99"]
+    libs = ["-lm"]
+    tag = hashlib.sha256(src + " ".join([cc, *flags, *libs]).encode()).hexdigest()[:16]
     root = Path(cache_dir or os.environ.get("HARTS_NATIVE_CACHE") or Path.home() / ".cache" / "megatron_harts")
     out = root / f"suffix_expand_{tag}.so"
     if out.exists():
@@ -104,7 +146,7 @@ def build(cache_dir: str | os.PathLike | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *flags, "-o", tmp, str(_SRC)], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, "-o", tmp, str(_SRC), *libs], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"{cc} failed on {_SRC}: {(r.stderr or r.stdout).strip()[:500]}")
         os.replace(tmp, out)
