@@ -1,16 +1,18 @@
-"""The suffix drafter's compiled draft expansion (``suffix_expand.c``), built at first use.
+"""The suffix drafter's compiled parts (``suffix_expand.c``), built at first use.
 
-:func:`native_expansion` returns an :class:`NativeExpansion` (or ``None`` where it cannot be
+:func:`native_expansion` returns a :class:`NativeExpansion` (or ``None`` where it cannot be
 built: no C compiler, or ``$HARTS_SUFFIX_NATIVE=0``, logged once). The C source is compiled with
-the system compiler (``$CC``, else ``cc``; ``-O2 -shared -fPIC``, no fast-math: probabilities must
-round as Python's floats do, no contraction into fused multiply-adds) into ``$HARTS_NATIVE_CACHE`` (default ``~/.cache/megatron_harts``),
-named by the source's hash, and loaded through ctypes; no Python headers are needed, so the
-same path works in an SGLang server's environment. Building takes ~0.3 s, once per machine;
-concurrent builders (several servers starting) each write their own file and rename it in place.
+the system compiler (``$CC``, else ``cc``; ``-O2 -shared -fPIC``, no fast-math and no contraction
+into fused multiply-adds: probabilities must round as Python's floats do) into
+``$HARTS_NATIVE_CACHE`` (default ``~/.cache/megatron_harts``), named by the source's hash, and
+loaded through ctypes; no Python headers are needed, so the same path works in an SGLang server's
+environment. Building takes ~0.3 s, once per machine; concurrent builders (several servers
+starting) each write their own file and rename it in place.
 
-Its two functions take a node as its occurrence end positions in a token buffer and return what
-``SuffixTrie.expand`` / ``expand_tree`` would from that node (bitwise: same tokens, probabilities,
-parents), see the C file's header.
+Its functions: the expansion from a node given as its occurrence end positions in a token buffer
+(what ``SuffixTrie.expand`` / ``expand_tree`` would return from that node, bitwise: same tokens,
+probabilities, parents), a request's whole context draft (``ContextIndex.draft``), and a corpus'
+longest match past the trigram (``CorpusIndex._search``); see the C file's comments.
 """
 from __future__ import annotations
 
