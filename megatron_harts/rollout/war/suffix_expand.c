@@ -1,4 +1,6 @@
-/* Compiled draft expansion of the suffix drafter (megatron_harts/rollout/war/suffix.py).
+/* Compiled parts of the suffix drafter (megatron_harts/rollout/war/suffix.py): the draft expansion
+ * (expand_chain, expand_tree), a request's whole context draft (context_draft: match + expansion)
+ * and a corpus' longest match past the trigram (corpus_match), each at the end of this file.
  *
  * The same expansion as SuffixTrie.expand / expand_tree, from a node given by its occurrence
  * end positions in a token buffer (as _OccurrenceExpansion does in Python):
