@@ -1,5 +1,7 @@
-"""The suffix drafter's compiled expansion (war/suffix_expand.c) next to the Python one it replaces:
-same tokens, probabilities and parents as ``_OccurrenceExpansion`` and the trie, on corner cases."""
+"""The suffix drafter's compiled parts (war/suffix_expand.c) next to the Python they replace: the
+expansion (same tokens, probabilities and parents as ``_OccurrenceExpansion`` and the trie, on corner
+cases), and, through the hypothesis tests of ``test_war_steps`` run with each, the context's whole
+draft and the corpus' trigram match."""
 import random
 
 import numpy as np

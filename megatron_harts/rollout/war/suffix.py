@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 _VERSIONS = itertools.count(1)      # trie versions, unique across tries
 _SEP = -(1 << 62)                   # CorpusIndex's trajectory separator (no token id)
 _UNSET = object()
-_NATIVE = _UNSET                    # the compiled expansion (suffix_native), None: expand in Python
+_NATIVE = _UNSET                    # the compiled parts (suffix_native), None: all in Python
 # CorpusIndex expands matches of at least this many tokens natively: a 1-token match's node is a
 # token's every occurrence (thousands in a large corpus), which C hashes one by one, while the Python
 # expansion reads the successors' occurrence lists (memoised): 565 vs 644 us per scheduler step with
@@ -60,9 +60,10 @@ _NATIVE_MIN_MATCH = 2
 
 
 def native():
-    """The compiled draft expansion (:mod:`.suffix_native`, built at the first call), or ``None``
-    where it is off or cannot be built: the indexes then expand in Python (``_OccurrenceExpansion``,
-    the same drafts). Tests set ``_NATIVE`` to compare the two."""
+    """The compiled parts of the drafter (:mod:`.suffix_native`, built at the first call: the
+    expansion, a context's whole draft, a corpus' trigram match), or ``None`` where they are off or
+    cannot be built: the indexes then work in Python (``_OccurrenceExpansion`` and the matches, the
+    same drafts). Tests set ``_NATIVE`` to compare the two."""
     global _NATIVE
     if _NATIVE is _UNSET:
         from .suffix_native import native_expansion
@@ -715,8 +716,10 @@ class ContextIndex(_OccurrenceExpansion):
             self._last = (n, m, bound)
             if m < cfg.min_match or min(budget, int(math.floor(cfg.max_spec_factor * m + cfg.max_spec_offset))) <= 0:
                 return Draft()
-            return Draft(toks, probs, m, float(sum(probs)), source if toks else "", parents if toks else
-                         ([] if cfg.tree else None))
+            score = float(sum(probs))
+            if beat is not None and score < beat:
+                return None
+            return Draft(toks, probs, m, score, source if toks else "", parents if toks else ([] if cfg.tree else None))
         m, ends = self._match(min(n, max_len, D - 1), min(max_len, D - 1))
         if m < cfg.min_match:
             return Draft()
@@ -1120,7 +1123,9 @@ class CorpusIndex(_OccurrenceExpansion):
         draft)`` of an index holding all of this one's streams (and more) for the same context:
         when the match has the same length and count there, every occurrence of the matched
         string and of its continuations lies in this index's streams, so the draft is the twin's.
-        ``copy=False``: the draft's lists are the memoised ones (read them, never change them)."""
+        ``copy=False``: the draft's lists are the memoised ones (read them, never change them).
+        ``ctx_ptr``: the address of ``context`` as int64 (a ``ContextIndex``'s buffer), for the
+        compiled match."""
         budget = cfg.budget if budget is None else budget
         m, ends = self.match_from(context, max(1, self.max_depth - budget), state, ctx_ptr)
         if m < cfg.min_match:
