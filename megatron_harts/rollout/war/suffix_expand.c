@@ -55,6 +55,23 @@ static int kid_cmp(const void *x, const void *y) {          /* count descending,
     return (a->tok > b->tok) - (a->tok < b->tok);
 }
 
+/* The slot of `tok` in the open-addressing table t[mask + 1]: where it is, or the empty slot where
+ * it goes (a slot is empty while its count is 0). */
+static inline int64_t probe(const slot_t *t, int64_t mask, int64_t tok) {
+    uint64_t h = ((uint64_t)tok * 0x9E3779B97F4A7C15ull) >> 20;
+    int64_t s = (int64_t)(h & (uint64_t)mask);
+    while (t[s].cnt && t[s].tok != tok) s = (s + 1) & mask;
+    return s;
+}
+
+/* The token after an occurrence ending at e - 1 (position e), or 0 with none (past the valid
+ * buffer, or a separator). */
+static inline int next_token(const int64_t *arr, int64_t n_valid, int64_t sep, int64_t e, int64_t *tok) {
+    if (e >= n_valid || arr[e] == sep) return 0;
+    *tok = arr[e];
+    return 1;
+}
+
 /* Children of the node whose `k` ends are pool->a[off:off+k] (count `count`, cumulative
  * probability `p`) that reach min_prob: written to *kids (sorted), their ends appended to the
  * pool. Returns how many, or -1 (out of memory). Hashes the next tokens when k is large. */
@@ -73,14 +90,10 @@ static int64_t children(const int64_t *arr, int64_t n_valid, int64_t sep, pool_t
     slot_t *t = *tab;
     for (int64_t i = 0; i < size; i++) t[i].cnt = 0;
     int64_t mask = size - 1, distinct = 0;
+    int64_t tok;
     for (int64_t i = 0; i < k; i++) {                        /* count the tokens after the ends */
-        int64_t e = pool->a[off + i] + 1;
-        if (e >= n_valid) continue;
-        int64_t tok = arr[e];
-        if (tok == sep) continue;
-        uint64_t h = ((uint64_t)tok * 0x9E3779B97F4A7C15ull) >> 20;
-        int64_t s = (int64_t)(h & (uint64_t)mask);
-        while (t[s].cnt && t[s].tok != tok) s = (s + 1) & mask;
+        if (!next_token(arr, n_valid, sep, pool->a[off + i] + 1, &tok)) continue;
+        int64_t s = probe(t, mask, tok);
         if (!t[s].cnt) { t[s].tok = tok; distinct++; }
         t[s].cnt++;
     }
@@ -111,22 +124,13 @@ static int64_t children(const int64_t *arr, int64_t n_valid, int64_t sep, pool_t
     int64_t base = pool->n;
     for (int64_t i = 0; i < k; i++) {                        /* the kept children's ends */
         int64_t e = pool->a[off + i] + 1;
-        if (e >= n_valid) continue;
-        int64_t tok = arr[e];
-        if (tok == sep) continue;
-        uint64_t h = ((uint64_t)tok * 0x9E3779B97F4A7C15ull) >> 20;
-        int64_t s = (int64_t)(h & (uint64_t)mask);
-        while (t[s].tok != tok) s = (s + 1) & mask;
+        if (!next_token(arr, n_valid, sep, e, &tok)) continue;
+        int64_t s = probe(t, mask, tok);
         if (t[s].first < 0) continue;
         pool->a[base + t[s].first + t[s].fill++] = e;
     }
-    for (int64_t j = 0; j < nk; j++) {
-        int64_t tok = (*kids)[j].tok;
-        uint64_t h = ((uint64_t)tok * 0x9E3779B97F4A7C15ull) >> 20;
-        int64_t s = (int64_t)(h & (uint64_t)mask);
-        while (t[s].tok != tok) s = (s + 1) & mask;
-        (*kids)[j].off = base + t[s].first;
-    }
+    for (int64_t j = 0; j < nk; j++)
+        (*kids)[j].off = base + t[probe(t, mask, (*kids)[j].tok)].first;
     pool->n = base + total;
     qsort(*kids, (size_t)nk, sizeof(kid_t), kid_cmp);
     return nk;
