@@ -14,6 +14,8 @@ both columns also shown apart), for
   request's context, per-row masks), tree and chain drafts;
 * ``ours_*``: the current path (``war.suffix`` / ``war.sglang_plugin``), tree and chain; the
   drafts are checked bitwise equal to ``ref_*``'s at every step (exit 1 otherwise);
+* ``py_*``: the same with the drafter's compiled parts off (``war/suffix_expand.c``: all in
+  Python, as with ``$HARTS_SUFFIX_NATIVE=0``); drafts checked bitwise equal to ``ours_*``'s;
 * ``sglang_ngram``: SGLang 0.5.17's C++ ``NgramCorpus`` as ``NGRAMWorker`` drives it
   (``synchronize`` + ``batch_get`` before verification, ``batch_put`` after it, last 18 tokens),
   JIT-built on CPU;
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall time, or the process's CPU time (all threads: robust to other jobs on shared cores)")
     args = p.parse_args(argv)
-    known = {"ref_tree", "ours_tree", "ref_chain", "ours_chain", "sglang_ngram", "before_tree", "before_chain"}
+    known = {"ref_tree", "ours_tree", "ref_chain", "ours_chain", "py_tree", "py_chain", "sglang_ngram",
+             "before_tree", "before_chain"}
     bad = [m for m in args.methods.split(",") if m not in known]
     if bad:
         p.error(f"--methods: unknown {', '.join(bad)} (known: {', '.join(sorted(known))})")
@@ -65,6 +68,7 @@ def main(argv=None) -> int:
 
     import numpy as np
 
+    from megatron_harts.rollout.war import suffix
     from megatron_harts.rollout.war.replay import NgramStep, SuffixStep, load_streams, replay_steps
     from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus, draft_config, sglang_site
     from megatron_harts.rollout.war.suffix_ref import RefSuffixCorpus, ref_gather_draft_inputs
@@ -92,8 +96,14 @@ def main(argv=None) -> int:
     rows, drafts = [], {}
     for rep in range(args.repeats):
         for name in args.methods.split(","):
-            r = replay_steps(make(name), streams, batch=args.batch, keep=not args.queued and rep == 0,
-                             clock=time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns)
+            compiled = suffix.native()
+            if name.startswith("py_"):           # the compiled parts off for this method only
+                suffix._NATIVE = None
+            try:
+                r = replay_steps(make(name), streams, batch=args.batch, keep=not args.queued and rep == 0,
+                                 clock=time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns)
+            finally:
+                suffix._NATIVE = compiled
             if r.drafts:
                 drafts[name] = r.drafts
             rows.append({"method": name, "repeat": rep, "steps": r.steps, "mean_batch": round(r.mean_bs, 2),
@@ -104,7 +114,7 @@ def main(argv=None) -> int:
             print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
     ok = True
     for shape in ("tree", "chain"):
-        for other in ("ref", "before"):
+        for other in ("ref", "before", "py"):
             a, b = drafts.get(f"{other}_{shape}"), drafts.get(f"ours_{shape}")
             if a is not None and b is not None:
                 same = len(a) == len(b) and all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])

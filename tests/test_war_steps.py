@@ -325,3 +325,30 @@ def test_queued_feed_is_indexed_after_verification_and_timed_apart():
     assert all(b <= s for b, s in zip(r.before_us, r.step_us))
     assert r.after_us_mean == pytest.approx(r.step_us_mean - r.before_us_mean) and r.after_us_mean > 0
     assert r.accept_len > 2.0                     # the indexed trajectories are drafted from
+
+
+def test_bench_war_steps_compares_the_compiled_parts_in_one_run(tmp_path):
+    """``--methods ours_tree,py_tree``: the drafter with and without its compiled parts in one run,
+    drafts checked bitwise equal (exit 0), the compiled parts restored after the Python method."""
+    import importlib.util
+    import json
+
+    from megatron_harts.rollout.war import suffix
+
+    streams = [s for s in load_streams(str(STREAMS)) if s.group in ("t0",)]
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps({"tokens": s.tokens, "loss_mask": s.loss_mask, "group": s.group,
+                                        "step": s.step, "traj_id": s.traj_id}) + "\n" for s in streams))
+    spec = importlib.util.spec_from_file_location("bench_war_steps", Path(__file__).resolve().parents[1] /
+                                                  "scripts" / "bench_war_steps.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    before = suffix.native()
+    assert before is not None
+    out = tmp_path / "rows.json"
+    assert bench.main(["--streams", str(path), "--repeats", "1", "--methods", "ours_tree,py_tree,ours_chain,py_chain",
+                       "--out", str(out)]) == 0
+    assert suffix.native() is before
+    rows = json.loads(out.read_text())["summary"]
+    assert [r["method"] for r in rows] == ["ours_tree", "py_tree", "ours_chain", "py_chain"]
+    assert rows[0]["accept_len"] == rows[1]["accept_len"] and rows[2]["accept_len"] == rows[3]["accept_len"]
