@@ -415,4 +415,23 @@ def test_verify_step_split_at_the_update_hook(monkeypatch, caplog):
     assert got["verify_wall"]["4"][0] == 1
     old = "X verify step split at the update hook by batch size: 1: 68 x 27.022 ms before, 1 done"
     assert server_timing(old)["verify_split"] == {"1": [68, 27.022, 1]}       # runs 14-15's lines
+    assert "drafter" not in got
+    assert server_timing("[t] HARTS suffix drafter: compiled draft expansion\n")["drafter"] == "compiled"
+    assert server_timing("[t] HARTS suffix drafter: Python draft expansion\n")["drafter"] == "Python"
     _mark_update_hook(SimpleNamespace(_step_wall=None))      # untimed workers: a no-op
+
+
+def test_server_timing_reads_which_drafter_form_the_corpus_loaded(caplog, monkeypatch):
+    """The line ``SuffixCorpus`` logs when it starts is the one ``server_timing`` reads back into a
+    row: ``compiled`` by default here (CI has a C compiler), ``Python`` with the compiled parts off."""
+    import logging
+
+    from megatron_harts.rollout.war import suffix
+    from megatron_harts.rollout.war.sglang_plugin import SuffixCorpus, server_timing
+
+    for form, nat in (("compiled", suffix.native()), ("Python", None)):
+        monkeypatch.setattr(suffix, "_NATIVE", nat)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_harts.rollout.war.sglang_plugin"):
+            SuffixCorpus(17, feed="")
+        assert server_timing("\n".join(r.getMessage() for r in caplog.records))["drafter"] == form

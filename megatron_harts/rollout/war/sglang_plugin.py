@@ -327,8 +327,10 @@ def server_timing(log_text: str) -> dict:
     {"<bs>" | "all": [steps, mean ms]}, "host_lines": [...], "verify_wall_lines": [...]}``:
     ``host`` / ``verify_wall`` the last line (cumulative since the server started), the ``_lines``
     every line in order, so windows of steps (e.g. without the first RL step) can be told apart
-    (milliseconds per scheduler step; a key is absent when its lines are); empty when the server
-    logged neither."""
+    (milliseconds per scheduler step; a key is absent when its lines are); ``drafter``: which form
+    of the suffix drafter the server loaded (``compiled`` or ``Python``); ``verify_split`` /
+    ``verify_split_lines``: the steps split at the update hook (:class:`StepWallTimes`); empty when
+    the server logged none of these."""
     out: dict = {}
     hosts = [{"steps": int(g[0]), "draft_ms": float(g[1]), "sync_ms": float(g[2]), "worst_ms": float(g[3]),
               "after_ms": float(g[4]), "gc_collections": int(g[5]), "gc_full": int(g[6]), "gc_ms": float(g[7])}
@@ -339,6 +341,9 @@ def server_timing(log_text: str) -> dict:
              for m in _WALL_LINE.finditer(log_text)]
     if walls:
         out["verify_wall"], out["verify_wall_lines"] = walls[-1], walls
+    forms = re.findall(r"HARTS suffix drafter: (compiled|Python) draft expansion", log_text)
+    if forms:
+        out["drafter"] = forms[-1]
     splits = [{k: [int(n), float(ms), int(d)] + ([float(pr)] if pr else []) for k, n, pr, ms, d in
                re.findall(r"(\w+): (\d+) x (?:([\d.]+) ms prepared, )?([\d.]+) ms before, (\d+) done",
                           m.group(1))}
