@@ -156,3 +156,23 @@ def test_build_reports_compiler_errors(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         suffix_native.build(tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+@pytest.mark.parametrize("n", [5, 17, 70])
+def test_batch_layout_equals_reference_both_forms(expansion, n):
+    """The verify batch's ids and tree masks (the compiled ``tree_masks``, or the Python bit rows)
+    equal the reference corpus' per-row build, narrow and wide."""
+    test_war_steps.test_batch_get_layout_equals_reference_any_width(n)
+
+
+def test_tree_masks_layout_and_refusals(nat):
+    """Two requests: a tree (node 3 under node 1) and an empty draft: every row marks the node and
+    its ancestors, unused nodes are leaves under the root; a parent that is not an earlier node, or a
+    draft as large as the tree, is refused."""
+    m = nat.tree_masks([-1, -1, 0], [3, 0], 4).reshape(2, 4, 4).astype(int)
+    assert m[0].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert m[1].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]
+    with pytest.raises(ValueError, match="earlier node"):
+        nat.tree_masks([-1, 1], [2], 4)
+    with pytest.raises(ValueError, match="earlier node"):
+        nat.tree_masks([-1, 0, 1, 2], [4], 4)

@@ -623,6 +623,9 @@ class SuffixCorpus(_HostTiming):
         bs = len(req_ids)
         ids = [0] * (bs * n)                 # [bs, n] flat
         rows: list[int] = []                 # [bs * n]: mask row i of a request as bits (bit j: node j)
+        nat = suffix_native()                # compiled: the drafts' parents (flat) and sizes instead
+        parents: list[int] = []
+        counts: list[int] = []
         for b, (rid, toks, total) in enumerate(zip(req_ids, batch_tokens, total_lens)):
             c = self.ctx.get(rid)
             if c is None:
@@ -649,6 +652,12 @@ class SuffixCorpus(_HostTiming):
             o = b * n
             ids[o] = c.tokens[-1] if c.tokens else 0
             ids[o + 1:o + k + 1] = d.tokens
+            self.stats["calls"] += 1
+            self.stats["drafted"] += k
+            if nat is not None:                              # the masks in one compiled call below
+                parents += range(-1, k - 1) if d.parents is None else d.parents
+                counts.append(k)
+                continue
             r = [1]                                          # node 0: itself
             if d.parents is None:                            # a chain: node i+1's parent is node i
                 for i in range(1, k + 1):
@@ -658,9 +667,8 @@ class SuffixCorpus(_HostTiming):
                     r.append(r[par + 1] | (1 << (i + 1)))
             r += self._unused[k + 1:]                        # unused nodes: leaves under the root
             rows += r
-            self.stats["calls"] += 1
-            self.stats["drafted"] += k
-        return np.array(ids, dtype=np.int64), _bits_to_mask(rows, n)
+        mask = nat.tree_masks(parents, counts, n) if nat is not None else _bits_to_mask(rows, n)
+        return np.array(ids, dtype=np.int64), mask
 
     # external corpus API of NGRAMWorker (its HTTP endpoint is NGRAM-only; these index the same way)
     def load_external_corpus_named(self, corpus_id: str, chunks) -> int:

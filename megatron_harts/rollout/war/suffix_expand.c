@@ -319,3 +319,31 @@ int64_t corpus_match(const int64_t *arr, int64_t n_valid, int64_t sep, const int
     *out_m = best;
     return cnt;
 }
+
+/* The tree masks of a verify batch (SGLang's NGRAM layout): request b has k[b] draft nodes after
+ * its root (node 0), node i + 1's parent given by parents[...] (flat, k[b] entries per request in
+ * order; -1: the root). Writes out[bs * n * n] (row-major, 0/1 bytes): row i of request b marks node
+ * i and its ancestors; a node past k[b] + 1 is unused: a leaf under the root. Returns 0, or -1 when a
+ * parent is not an earlier node (or k[b] >= n). */
+int64_t tree_masks(const int64_t *parents, const int64_t *k, int64_t bs, int64_t n, uint8_t *out) {
+    int64_t off = 0;
+    for (int64_t b = 0; b < bs; b++) {
+        uint8_t *m = out + b * n * n;
+        int64_t kb = k[b];
+        if (kb < 0 || kb >= n) return -1;
+        memset(m, 0, (size_t)(n * n));
+        m[0] = 1;
+        for (int64_t i = 0; i < kb; i++) {
+            int64_t node = i + 1, par = parents[off + i] + 1;
+            if (par < 0 || par >= node) return -1;
+            memcpy(m + node * n, m + par * n, (size_t)n);
+            m[node * n + node] = 1;
+        }
+        for (int64_t u = kb + 1; u < n; u++) {
+            m[u * n] = 1;
+            m[u * n + u] = 1;
+        }
+        off += kb;
+    }
+    return 0;
+}

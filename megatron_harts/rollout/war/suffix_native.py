@@ -51,6 +51,9 @@ class NativeExpansion:
         self._match = lib.corpus_match
         self._match.restype = i64
         self._match.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr]
+        self._masks = lib.tree_masks
+        self._masks.restype = i64
+        self._masks.argtypes = [ptr, ptr, i64, i64, ptr]
         self._ends_buf = np.empty(0, dtype=np.int64)
         self._m = np.zeros(1, dtype=np.int64)
         self._m_ptr = self._m.ctypes.data
@@ -130,6 +133,19 @@ class NativeExpansion:
         if not cnt:
             return 0, None
         return int(self._m[0]), self._ends_buf[:cnt].copy()
+
+
+    def tree_masks(self, parents: list[int], counts: list[int], n: int) -> np.ndarray:
+        """The verify batch's tree masks, bool ``[len(counts) * n * n]`` (row-major): request ``b``
+        has ``counts[b]`` draft nodes after its root, their parents in ``parents`` (flat, in order;
+        -1: the root); row ``i`` marks node ``i`` and its ancestors; nodes past the draft are leaves
+        under the root. Raises ``ValueError`` on a parent that is not an earlier node."""
+        par = np.array(parents, dtype=np.int64)
+        cnt = np.array(counts, dtype=np.int64)
+        out = np.empty(len(counts) * n * n, dtype=np.bool_)
+        if self._masks(par.ctypes.data, cnt.ctypes.data, len(counts), n, out.ctypes.data) < 0:
+            raise ValueError("tree_masks: a parent is not an earlier node, or a draft fills the whole tree")
+        return out
 
 
 def build(cache_dir: str | os.PathLike | None = None) -> Path:
