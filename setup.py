@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_harts", "megatron_harts.*"]),
-    # the suffix drafter's compiled expansion: C source, built with the system compiler at first use
+    # the suffix drafter's compiled parts: C source, built with the system compiler at first use
     package_data={"megatron_harts.rollout.war": ["suffix_expand.c"]},
     python_requires=">=3.12",
     install_requires=[

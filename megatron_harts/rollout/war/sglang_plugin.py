@@ -515,8 +515,8 @@ class SuffixCorpus(_HostTiming):
         # (synchronize), so a burst of finished trajectories never stalls the serving loop
         self.index_s = index_s
         self.drafter = SuffixDrafter(cfg)
-        # the compiled draft expansion, built (once per machine, ~0.3 s) and loaded here rather
-        # than inside the first verify step; None: drafts expand in Python (same drafts, slower)
+        # the drafter's compiled parts (suffix_expand.c), built (once per machine, ~0.3 s) and loaded
+        # here rather than inside the first verify step; None: all in Python (same drafts, slower)
         log.info("HARTS suffix drafter: %s draft expansion",
                  "compiled" if suffix_native() is not None else "Python")
         self.ctx: dict[str, ContextIndex] = {}
