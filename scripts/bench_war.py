@@ -790,6 +790,7 @@ def part_h200(args, sink) -> None:
                 clock.phase("low %s step 1: %s", v, first[v])
             reps: dict[str, list[dict]] = {v: [] for v in live}
             order = list(live)
+            spies = _start_py_spy(args, live, logs)
             for k in range(args.low_reps):
                 # a rep's cost from the measured reps once there are some (step 1 also warms kernels
                 # and fills corpora: 2x longer, it would stop the reps early)
@@ -803,6 +804,7 @@ def part_h200(args, sink) -> None:
                     steps_low.append(r["makespan_s"])
                     reps[v].append(r)
                     clock.phase("low %s rep %d: %s", v, k, r)
+            _stop_py_spy(spies)
             check = {}
             try:
                 check = greedy_check(live)
@@ -1007,6 +1009,44 @@ def part_h200(args, sink) -> None:
     clock.phase("h200 done: %d rows", sum(1 for r in sink.rows if r.get("part") == "h200"))
 
 
+def _start_py_spy(args, live: dict, logs: Path) -> list[subprocess.Popen]:
+    """``--py-spy``: sample every live low-load server (its process and children: the scheduler)
+    for ``--py-spy-s`` seconds from the first measured rep, ``--nonblocking`` (no pauses) at
+    ``--py-spy-rate`` Hz, as collapsed stacks (``--format raw``, idle threads left out) into
+    ``py_spy_<variant>.txt`` beside the server logs; the servers step one at a time, so each
+    file holds its own server's steps. A py-spy that cannot attach (no ptrace) logs and is
+    skipped: the rows do not depend on it."""
+    out = []
+    if not args.py_spy:
+        return out
+    for v, srv in live.items():
+        proc = getattr(srv, "proc", None)
+        if proc is None:
+            continue
+        dst = logs / f"py_spy_{variant_slug(v)}.txt"
+        cmd = [args.py_spy, "record", "--nonblocking", "--subprocesses", "--threads", "-r", str(args.py_spy_rate),
+               "-d", str(int(args.py_spy_s)), "--format", "raw", "-o", str(dst), "-p", str(proc.pid)]
+        try:
+            out.append(subprocess.Popen(cmd, stdout=open(logs / f"py_spy_{variant_slug(v)}.log", "w"),
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            log.info("py-spy on %s (pid %d) for %d s: %s", v, proc.pid, int(args.py_spy_s), dst)
+        except OSError as e:
+            log.warning("py-spy not started on %s: %s", v, e)
+    return out
+
+
+def _stop_py_spy(spies: list[subprocess.Popen]) -> None:
+    """Wait briefly for the samplers to write their files (SIGINT makes py-spy write early)."""
+    for sp in spies:
+        if sp.poll() is None:
+            sp.send_signal(signal.SIGINT)
+    for sp in spies:
+        try:
+            sp.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            sp.kill()
+
+
 def _pack_server_logs(folder: Path) -> None:
     """``folder`` (server logs, feeds, the plugin's install) as ``folder.tgz``, then removed: the lent
     GPU returns at most 8 files per call, and run 4's suffix server log was left out that way."""
@@ -1198,6 +1238,10 @@ def main(argv=None) -> int:
                    help="h200: run NGRAM as HARTS_NGRAM_TIMED (SGLang's NGRAM worker and C++ corpus, its host time "
                         "per scheduler step logged every 500 steps like HARTS_SUFFIX's); both speculating servers "
                         "then also log their verify steps' wall time by batch size ($HARTS_SPEC_STEP_WALL=1)")
+    p.add_argument("--py-spy", default=None, metavar="BIN",
+                   help="h200 low load (--low-reps): a py-spy binary sampling each server from the first rep")
+    p.add_argument("--py-spy-s", type=float, default=60.0, help="with --py-spy: seconds sampled")
+    p.add_argument("--py-spy-rate", type=int, default=250, help="with --py-spy: samples per second")
     p.add_argument("--deadline-grace-s", type=float, default=20.0,
                    help="h200: past the deadline by this much, the servers are killed (a running step then fails)")
     args = p.parse_args(argv)

@@ -455,3 +455,47 @@ def test_bench_low_variants_carry_their_own_draft_budget():
     rows = [dict(part="h200", load="low", concurrency=8, policy="suffix", variant="suffix@8", budget=8,
                  tokens_per_s=1.0, makespan_s=1.0, cache_hit=0.0)]
     assert "| suffix@8 |" in bench.tables(rows)[1]
+
+
+def test_bench_py_spy_samples_each_low_load_server_and_stops_with_the_reps(tmp_path, caplog):
+    """``--py-spy BIN``: one sampler per live server (its pid, children, no pauses, collapsed
+    stacks into ``py_spy_<variant>.txt``), stopped by SIGINT once the reps end; a binary that
+    cannot start is logged and skipped."""
+    import importlib.util
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
+    spec = importlib.util.spec_from_file_location("bench_war_for_test", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fake = tmp_path / "py-spy"                 # writes its argv to -o, then waits for SIGINT as py-spy does
+    fake.write_text(f"#!{sys.executable}\nimport sys, signal, time\na = sys.argv[1:]\n"
+                    "def out(*_):\n    open(a[a.index('-o') + 1], 'w').write(' '.join(a)); sys.exit(0)\n"
+                    "signal.signal(signal.SIGINT, out)\ntime.sleep(30)\nout()\n")
+    fake.chmod(0o755)
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        live = {"suffix": SimpleNamespace(proc=server), "ngram@8": SimpleNamespace(proc=server)}
+        args = SimpleNamespace(py_spy=str(fake), py_spy_s=45.0, py_spy_rate=250)
+        spies = bench._start_py_spy(args, live, tmp_path)
+        assert len(spies) == 2
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        bench._stop_py_spy(spies)
+        assert time.monotonic() - t0 < 10                        # SIGINT, not the 45 s duration
+        for slug in ("suffix", bench.variant_slug("ngram@8")):
+            argv = (tmp_path / f"py_spy_{slug}.txt").read_text().split()
+            assert argv[0] == "record" and {"--nonblocking", "--subprocesses", "--threads"} <= set(argv)
+            assert argv[argv.index("-p") + 1] == str(server.pid) and argv[argv.index("-d") + 1] == "45"
+            assert argv[argv.index("--format") + 1] == "raw" and argv[argv.index("-r") + 1] == "250"
+        assert bench._start_py_spy(SimpleNamespace(py_spy=None), live, tmp_path) == []
+        args.py_spy = str(tmp_path / "missing")
+        with caplog.at_level("WARNING"):
+            assert bench._start_py_spy(args, live, tmp_path) == []
+        assert "py-spy not started on suffix" in caplog.text
+    finally:
+        server.kill()

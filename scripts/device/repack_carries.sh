@@ -17,9 +17,20 @@ tree = int(sys.argv[1])
 limit = 64 * 2**20 - tree - 2 * 2**20          # 2 MiB margin for untracked files
 srcs = sorted(d for d in os.listdir('.') if len(d) == 5 and d.startswith('.sg') and d[3:].isdigit())
 files = [(os.path.getsize(f'{d}/{f}'), f'{d}/{f}') for d in srcs for f in os.listdir(d) if '.whl' in f]
-big = [p for s, p in files if s > limit]
-if big:
-    sys.exit(f"{big[0]} alone is larger than {limit} bytes: split it (prepare_sglang.sh parts)")
+def halve(path):
+    """Split a file larger than the limit in two, the first piece of ``limit`` bytes: a part keeps
+    its name for it and the rest gets a 'b' suffix (``cat name.part*`` still joins them in order); a
+    whole wheel becomes .part00 / .part01 (install_sglang.sh joins from .part00)."""
+    data = open(path, 'rb').read()
+    h = limit
+    first, second = (path, path + 'b') if '.part' in path else (path + '.part00', path + '.part01')
+    if first != path:
+        os.remove(path)
+    open(first, 'wb').write(data[:h])
+    open(second, 'wb').write(data[h:])
+    return [(h, first), (len(data) - h, second)]
+while any(s > limit for s, _ in files):    # the tree has grown since the parts were cut
+    files = [x for s, p in files for x in (halve(p) if s > limit else [(s, p)])]
 bins = []
 for s, p in sorted(files, reverse=True):
     for b in bins:
