@@ -499,3 +499,37 @@ def test_bench_py_spy_samples_each_low_load_server_and_stops_with_the_reps(tmp_p
         assert "py-spy not started on suffix" in caplog.text
     finally:
         server.kill()
+
+
+def test_py_spy_summary_attributes_samples_to_the_busiest_thread(tmp_path, capsys):
+    """``scripts/py_spy_summary.py``: inclusive seconds per matched name (once per sample), self time
+    by innermost frame, on the thread with the most samples; a process command spanning lines."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "py_spy_summary.py"
+    spec = importlib.util.spec_from_file_location("py_spy_summary_for_test", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    proc = 'process 7:"sglang::scheduler_TP0"'
+    main = "thread (11): MainThread"
+    loop = "event_loop_normal (sglang/srt/managers/scheduler.py:1)"
+    fwd = "forward_batch_generation (sglang/srt/speculative/ngram_worker.py:9)"
+    get = "batch_get (megatron_harts/rollout/war/sglang_plugin.py:3)"
+    text = "\n".join([
+        f"{proc};{main};{loop};{fwd};{get};draft (megatron_harts/rollout/war/suffix.py:5) 30",
+        f"{proc};{main};{loop};{fwd};{get} 10",
+        f"{proc};{main};{loop};{fwd};forward_batch_generation (x/model_runner.py:2) 50",
+        f"{proc};{main};{loop} 10",
+        'process 8:"python -c \nimport time\nwhile 1: pass";thread (12): Thread-1;run (threading.py:1) 40',
+    ])
+    f = tmp_path / "py_spy_suffix.txt"
+    f.write_text(text + "\n")
+    r = mod.summarise(f, 100.0, ["forward_batch_generation", "batch_get", "draft", "absent"], 2)
+    assert r["thread"] == main and r["samples"] == 100 and r["seconds"] == 1.0
+    assert r["other_threads_s"] == 0.4
+    assert r["inclusive_s"] == {"forward_batch_generation": 0.9, "batch_get": 0.4, "draft": 0.3, "absent": 0.0}
+    assert r["self_s"] == [("forward_batch_generation (x/model_runner.py)", 0.5),
+                           ("draft (war/suffix.py)", 0.3)]
+    assert mod.main([str(f), "--rate", "100", "--match", "batch_get"]) == 0
+    assert "| batch_get | 0.40 |" in capsys.readouterr().out
