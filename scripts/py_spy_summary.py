@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 DEFAULT_MATCH = ("event_loop_normal,forward_batch_generation,_prepare_for_speculative_decoding,"
-                 "_prepare_draft_tokens,batch_get,_update_ngram_corpus,verify,process_batch_result,"
+                 "_prepare_draft_tokens,batch_get,_update_ngram_corpus,process_batch_result,"
                  "get_next_batch_to_run,recv_requests,forward_extend,replay,capture")
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
@@ -83,12 +83,31 @@ def summarise(path: Path, rate: float, match: list[str], top: int) -> dict:
             "self_s": [(f, c / rate) for f, c in self_t.most_common(top)]}
 
 
+def children(path: Path, rate: float, target: str, top: int) -> tuple[float, list[tuple[str, float]]]:
+    """Inclusive seconds of the first frame (outermost) whose function name ends with ``target``
+    on the busiest thread, and the same split by the frame it calls (``(self)``: samples inside it)."""
+    threads = parse(path.read_text(errors="replace"))
+    if not threads:
+        return 0.0, []
+    _, stacks = max(threads.items(), key=lambda kv: sum(kv[1].values()))
+    total, by = 0, Counter()
+    for st, c in stacks.items():
+        i = next((i for i, f in enumerate(st) if func_name(f).endswith(target)), None)
+        if i is None:
+            continue
+        total += c
+        by[short(st[i + 1]) if i + 1 < len(st) else "(self)"] += c
+    return total / rate, [(f, c / rate) for f, c in by.most_common(top)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--rate", type=float, default=250.0, help="py-spy's -r (samples per second)")
     p.add_argument("--match", default=DEFAULT_MATCH, help="comma list of function-name substrings")
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--children", default="", help="comma list of function names (a suffix, e.g. "
+                   "NGRAMWorker.forward_batch_generation): each one's seconds split by the frame it calls")
     args = p.parse_args(argv)
     for f in args.files:
         if not f.is_file():
@@ -102,6 +121,12 @@ def main(argv=None) -> int:
     print("| other threads | " + " | ".join(f"{r.get('other_threads_s', 0):.2f}" for r in rows) + " |")
     for m in match:
         print(f"| {m} | " + " | ".join(f"{r.get('inclusive_s', {}).get(m, 0):.2f}" for r in rows) + " |")
+    for target in [t for t in args.children.split(",") if t]:
+        for f, n in zip(args.files, names):
+            tot, split = children(f, args.rate, target, args.top)
+            print(f"\n{n}: {target} {tot:.2f} s, by the frame it calls (s)")
+            for fr, sec in split:
+                print(f"  {sec:8.2f}  {fr}")
     for r, n in zip(rows, names):
         print(f"\n{n}: top self time (s)")
         for fr, s in r.get("self_s", []):

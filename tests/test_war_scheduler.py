@@ -533,3 +533,22 @@ def test_py_spy_summary_attributes_samples_to_the_busiest_thread(tmp_path, capsy
                            ("draft (war/suffix.py)", 0.3)]
     assert mod.main([str(f), "--rate", "100", "--match", "batch_get"]) == 0
     assert "| batch_get | 0.40 |" in capsys.readouterr().out
+
+
+def test_py_spy_summary_splits_a_function_by_the_frames_it_calls(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "py_spy_summary.py"
+    spec = importlib.util.spec_from_file_location("py_spy_summary_for_test", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t = "thread (1): MainThread"
+    f = tmp_path / "s.txt"
+    f.write_text("\n".join([f"{t};Sched.loop (s.py:1);W.forward (w.py:2);W.prepare (w.py:3);x (x.py:1) 6",
+                            f"{t};Sched.loop (s.py:1);W.forward (w.py:2);run (m.py:4) 3",
+                            f"{t};Sched.loop (s.py:1);W.forward (w.py:2) 1",
+                            f"{t};Sched.loop (s.py:1);idle (s.py:9) 10"]) + "\n")
+    tot, split = mod.children(f, 10.0, "W.forward", 5)
+    assert tot == 1.0 and split == [("W.prepare (w.py)", 0.6), ("run (m.py)", 0.3), ("(self)", 0.1)]
+    assert mod.children(f, 10.0, "absent", 5) == (0.0, [])
