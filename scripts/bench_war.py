@@ -507,7 +507,8 @@ def part_h200(args, sink) -> None:
     from megatron_harts.rollout.war.router import RouterServer
     from megatron_harts.rollout.war.scheduler import SchedulerConfig, WarScheduler, with_progress_priority
     from megatron_harts.rollout.war.sglang_plugin import (CORPUS_ENV, DRAFT_ENV, STEP_WALL_ENV, TIMED_NGRAM_NAME,
-                                                          TIMING_ENV, TrajectoryFeed, server_timing, write_plugin_dist)
+                                                          TIMING_ENV, TrajectoryFeed, server_timing, write_plugin_dist,
+                                                          DRAFT_LOG_ENV)
 
     clock = _Clock(args.t0, args.deadline_s)
     # -- preflight: what would make every server or step fail, before any GPU time is spent
@@ -613,11 +614,13 @@ def part_h200(args, sink) -> None:
         return max(60.0, min(1800.0, clock.left() + 30))
 
     def server(extra: list[str], name: str, feed: Path | None = None, mem: float | None = None) -> SGLangServer:
-        # the suffix server logs its host time per scheduler step every 500 steps (drafting vs verify cost);
-        # with --time-ngram both it and the timed NGRAM also log their whole verify steps' wall time by
-        # batch size (synchronized at each step's end, as the scheduler without overlap does right after)
-        timed = {TIMING_ENV: "500", **({STEP_WALL_ENV: "1"} if args.time_ngram else {})}
-        e = dict(env, **({CORPUS_ENV: str(feed), DRAFT_ENV: args.suffix_draft, **timed}
+        # the suffix server logs its host time per scheduler step every --timing-every steps (drafting vs
+        # verify cost); with --time-ngram both it and the timed NGRAM also log their whole verify steps'
+        # wall time by batch size (synchronized at each step's end, as the scheduler without overlap does
+        # right after); --log-drafts: the suffix server also writes every draft (drafts_<name>.jsonl)
+        timed = {TIMING_ENV: str(args.timing_every), **({STEP_WALL_ENV: "1"} if args.time_ngram else {})}
+        drafts = {DRAFT_LOG_ENV: str(logs / f"drafts_{name}.jsonl")} if args.log_drafts else {}
+        e = dict(env, **({CORPUS_ENV: str(feed), DRAFT_ENV: args.suffix_draft, **timed, **drafts}
                          if feed is not None else timed if TIMED_NGRAM_NAME in extra else {}))
         srv = SGLangServer(args.model_path, mem_fraction_static=mem or frac, extra_args=common + extra, env=e,
                            log_path=str(logs / f"{name}.log"),
@@ -836,6 +839,7 @@ def part_h200(args, sink) -> None:
                                                        max(x["tokens_per_s"] for x in rs)],
                                       "makespan_s": [min(x["makespan_s"] for x in rs), max(x["makespan_s"] for x in rs)]},
                               rep_rows=rs, greedy_check=check.get(v) if v != "none" else None,
+                              draft_log=_draft_log_row(logs, v),
                               # the server's last host-time / verify wall-time lines (every 500 steps)
                               server_timing=server_timing((logs / f"low_{variant_slug(v)}.log").read_text(
                                   errors="replace")) or None))
@@ -1007,6 +1011,22 @@ def part_h200(args, sink) -> None:
     if "ngram" in variants:
         low_alone("ngram")
     clock.phase("h200 done: %d rows", sum(1 for r in sink.rows if r.get("part") == "h200"))
+
+
+def _draft_log_row(logs: Path, variant: str) -> dict | None:
+    """``--log-drafts``: the suffix server's drafts checked against its trajectories (the feed), all
+    steps of the run (``replay.draft_log_acceptance``); ``None`` without a log."""
+    from megatron_harts.rollout.war.replay import draft_log_acceptance
+
+    slug = variant_slug(variant)
+    path, feed = logs / f"drafts_low_{slug}.jsonl", logs / f"feed_{slug}.jsonl"
+    if not path.is_file() or not feed.is_file():
+        return None
+    try:
+        return draft_log_acceptance(str(path), str(feed))
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("draft log of %s: %s", variant, e)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def _start_py_spy(args, live: dict, logs: Path) -> list[subprocess.Popen]:
@@ -1238,6 +1258,11 @@ def main(argv=None) -> int:
                    help="h200: run NGRAM as HARTS_NGRAM_TIMED (SGLang's NGRAM worker and C++ corpus, its host time "
                         "per scheduler step logged every 500 steps like HARTS_SUFFIX's); both speculating servers "
                         "then also log their verify steps' wall time by batch size ($HARTS_SPEC_STEP_WALL=1)")
+    p.add_argument("--timing-every", type=int, default=100,
+                   help="h200: scheduler steps between the servers' host-time / verify-step timing lines")
+    p.add_argument("--log-drafts", action="store_true",
+                   help="h200 low load: the suffix server logs every draft; each row gets draft_log, the drafts "
+                        "checked against the trajectories it generated (replay.draft_log_acceptance)")
     p.add_argument("--py-spy", default=None, metavar="BIN",
                    help="h200 low load (--low-reps): a py-spy binary sampling each server from the first rep")
     p.add_argument("--py-spy-s", type=float, default=60.0, help="with --py-spy: seconds sampled")
@@ -1255,6 +1280,8 @@ def main(argv=None) -> int:
         fail("--budgets must be >= 1")
     if args.low_reps < 0:
         fail(f"--low-reps must be >= 0, got {args.low_reps}")
+    if args.timing_every < 1:
+        fail(f"--timing-every must be >= 1 (scheduler steps), got {args.timing_every}")
     variants = [v for v in args.low_variants.split(",") if v]
     for v in variants:
         try:

@@ -552,3 +552,34 @@ def test_py_spy_summary_splits_a_function_by_the_frames_it_calls(tmp_path):
     tot, split = mod.children(f, 10.0, "W.forward", 5)
     assert tot == 1.0 and split == [("W.prepare (w.py)", 0.6), ("run (m.py)", 0.3), ("(self)", 0.1)]
     assert mod.children(f, 10.0, "absent", 5) == (0.0, [])
+
+
+def test_bench_draft_log_row_checks_the_suffix_servers_drafts(tmp_path):
+    """``--log-drafts``: the row's ``draft_log`` from ``drafts_low_<variant>.jsonl`` and the variant's
+    feed (None where the server wrote none, e.g. NGRAM); ``--timing-every 0`` is refused in one line."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_harts.rollout.war.sglang_plugin import TrajectoryFeed
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
+    spec = importlib.util.spec_from_file_location("bench_war_for_test", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    traj = list(range(10, 40))
+    TrajectoryFeed(tmp_path / "feed_suffix.jsonl").add(traj, "g", "g/0")
+    rows = [{"rid": "g/0#1-1~x", "n": 8, "tail": traj[4:8], "draft": traj[8:11] + [99], "parents": [-1, 0, 1, -1],
+             "source": "group", "match": 3},
+            {"rid": "g/0#1-1~x", "n": 12, "tail": traj[8:12], "draft": [5], "parents": None, "source": "context",
+             "match": 1}]
+    (tmp_path / "drafts_low_suffix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = bench._draft_log_row(tmp_path, "suffix")
+    assert got["placed"] == 2 and got["steps"] == 1 and got["short"] == 0 and got["long"] == 0
+    assert got["accepted_mean"] == 1.5 and got["by_source"] == {"context": [1, 0.0], "group": [1, 3.0]}
+    assert bench._draft_log_row(tmp_path, "ngram") is None
+    r = subprocess.run([sys.executable, str(script), "--parts", "h200", "--timing-every", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "--timing-every must be >= 1" in r.stderr and "Traceback" not in r.stderr

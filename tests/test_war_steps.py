@@ -352,3 +352,47 @@ def test_bench_war_steps_compares_the_compiled_parts_in_one_run(tmp_path):
     rows = json.loads(out.read_text())["summary"]
     assert [r["method"] for r in rows] == ["ours_tree", "py_tree", "ours_chain", "py_chain"]
     assert rows[0]["accept_len"] == rows[1]["accept_len"] and rows[2]["accept_len"] == rows[3]["accept_len"]
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_draft_log_places_every_server_draft_and_explains_every_step(tmp_path, monkeypatch, shape):
+    """``$HARTS_SUFFIX_DRAFT_LOG`` on a replay (the worker's path on CPU): every draft is found in
+    its trajectory (the feed's ``traj`` ids), and each step's advance equals the draft's accepted
+    tokens + 1 (nothing lost, nothing unexplained); a log whose drafts lose a matching token, or
+    whose contexts are shifted by one, is caught."""
+    import json
+
+    from megatron_harts.rollout.war.replay import draft_log_acceptance
+    from megatron_harts.rollout.war.sglang_plugin import DRAFT_LOG_ENV, TrajectoryFeed
+
+    streams = load_streams(str(STREAMS))[:12]
+    log_path = tmp_path / "drafts.jsonl"
+    monkeypatch.setenv(DRAFT_LOG_ENV, str(log_path))
+    n = 17
+    res = replay_steps(SuffixStep(SuffixCorpus(n, draft_config(n, shape), feed=""), "ours"), streams, batch=4)
+    feed = TrajectoryFeed(tmp_path / "feed.jsonl")
+    for s in streams:                      # the replay's rids are group/traj_id#turn-k
+        feed.add(s.tokens, s.group, f"{s.group}/{s.traj_id}")
+    got = draft_log_acceptance(str(log_path), str(feed.path))
+    assert got["drafts"] == res.verifies and got["placed"] == got["drafts"] and got["unplaced"] == 0
+    assert got["steps"] > 0 and got["short"] == 0 and got["long"] == 0
+    assert got["accepted_mean"] > 0.5 and sum(c for c, _ in got["by_source"].values()) == got["drafts"]
+    rows = [json.loads(x) for x in log_path.read_text().splitlines()]
+    nxt = {}
+    for i in range(len(rows) - 1, -1, -1):                 # row -> the same rid's next row
+        nxt[i] = nxt.get(rows[i]["rid"])
+        nxt[rows[i]["rid"]] = i
+    k = next(i for i in range(len(rows)) if nxt.get(i) is not None and rows[nxt[i]]["n"] - rows[i]["n"] >= 2)
+    bad = tmp_path / "bad.jsonl"
+
+    def check(rs):
+        bad.write_text("".join(json.dumps(r) + "\n" for r in rs))
+        return draft_log_acceptance(str(bad), str(feed.path))
+
+    lost = [dict(r) for r in rows]         # the server advanced by 1 where the draft matched more
+    lost[nxt[k]]["n"] = rows[k]["n"] + 1
+    assert check(lost)["short"] >= 1
+    wrong = [dict(r) for r in rows]        # a step advanced by more than its logged draft explains
+    wrong[k]["draft"] = [-7] * len(rows[k]["draft"])
+    assert check(wrong)["long"] >= 1
+    assert check([dict(r, n=r["n"] + 1) for r in rows])["placed"] < got["placed"]      # contexts shifted

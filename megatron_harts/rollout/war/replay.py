@@ -27,6 +27,7 @@ an external corpus).
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import random
 import time
@@ -471,6 +472,74 @@ def tree_accept(ids: Sequence[int], mask: np.ndarray, target: Sequence[int]) -> 
             ok[i] = True
             best = max(best, d)
     return best
+
+
+def draft_log_acceptance(draft_log: str, feed: str) -> dict:
+    """Check a server's drafts (``$HARTS_SUFFIX_DRAFT_LOG`` of :class:`~.sglang_plugin.SuffixCorpus`)
+    against the trajectories it generated (the feed's JSONL, with ``traj`` ids): each draft is
+    placed in its trajectory (the rid's part before ``#``; its context's tail must match there)
+    and scored as a verification against the tokens the server went on to emit: ``accepted``, the
+    longest draft path equal to the trajectory's next tokens. ``emitted``: the tokens the request
+    actually advanced by in that step (the next draft of the same rid starts that much later; the
+    request's last step has none). Verification accepts exactly the draft path the emitted tokens
+    follow, so ``emitted == accepted + 1`` for every step: ``short`` counts steps where the server
+    emitted less (it lost drafted tokens that matched), ``long`` steps where it emitted more than the
+    draft explains (a draft logged against the wrong context).
+
+    Returns ``{"drafts", "placed", "unplaced", "steps" (placed drafts with a next one), "short", "long",
+    "accepted_mean", "tokens_per_verify" (mean accepted + 1 over placed drafts), "emitted_mean"
+    (over steps), "by_source": {source: [drafts, accepted mean]}}``."""
+    from .sglang_plugin import traj_of
+
+    trajs: dict[str, list[int]] = {}
+    with open(feed) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                if rec.get("traj") is not None:
+                    trajs[rec["traj"]] = rec["tokens"]
+    rows: list[dict] = []
+    with open(draft_log) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    nxt: dict[int, int] = {}                     # row -> the context length of the same rid's next row
+    last: dict[str, int] = {}
+    for i, r in enumerate(rows):
+        if r["rid"] in last:
+            nxt[last[r["rid"]]] = r["n"]
+        last[r["rid"]] = i
+    placed, unplaced, steps, short, long_, acc_sum, emit_sum = 0, 0, 0, 0, 0, 0, 0
+    by_source: dict[str, list] = {}
+    for i, r in enumerate(rows):
+        toks, n, tail = trajs.get(traj_of(r["rid"]) or ""), r["n"], r["tail"]
+        if toks is None or n > len(toks) or toks[n - len(tail):n] != tail:
+            unplaced += 1
+            continue
+        placed += 1
+        target, draft = toks[n:], r["draft"]
+        parents = r["parents"] if r["parents"] is not None else list(range(-1, len(draft) - 1))
+        depth, ok, acc = [0] * len(draft), [False] * len(draft), 0
+        for j, (t, p) in enumerate(zip(draft, parents)):
+            depth[j] = 1 if p < 0 else depth[p] + 1
+            ok[j] = (p < 0 or ok[p]) and depth[j] <= len(target) and t == target[depth[j] - 1]
+            if ok[j]:
+                acc = max(acc, depth[j])
+        acc_sum += acc
+        src = by_source.setdefault(r["source"] or "none", [0, 0])
+        src[0] += 1
+        src[1] += acc
+        if i in nxt:
+            steps += 1
+            e = nxt[i] - n
+            emit_sum += e
+            short += e < acc + 1
+            long_ += e > acc + 1
+    return {"drafts": len(rows), "placed": placed, "unplaced": unplaced, "steps": steps, "short": short,
+            "long": long_,
+            "accepted_mean": acc_sum / max(placed, 1), "tokens_per_verify": 1 + acc_sum / max(placed, 1),
+            "emitted_mean": emit_sum / max(steps, 1),
+            "by_source": {k: [c, a / c] for k, (c, a) in sorted(by_source.items())}}
 
 
 @dataclass

@@ -78,6 +78,14 @@ DRAFT_ENV = "HARTS_SUFFIX_DRAFT"
 TIMING_ENV = "HARTS_SUFFIX_TIMING_EVERY"
 
 
+# a JSONL path: the suffix corpus appends every draft it makes (request, context length and tail, draft
+# tokens and parents, source, match length) for offline checks of what the server drafted
+# (``replay.draft_log_acceptance``); unset: nothing is written
+DRAFT_LOG_ENV = "HARTS_SUFFIX_DRAFT_LOG"
+# context tokens before each logged draft (enough to find the context in the fed trajectories)
+DRAFT_LOG_TAIL = 24
+
+
 # "1": the two workers also time each whole verify step (draft, launch, GPU, after-launch work) with a
 # device synchronisation at its end, by batch size (StepWallTimes); honoured only with the overlap
 # schedule off, where the scheduler reads the step's results back right after it anyway
@@ -179,16 +187,23 @@ class TrajectoryFeed:
         self.path = Path(path)
         self._lock = threading.Lock()
 
-    def add(self, tokens: Sequence[int], group: str | None = None) -> None:
-        line = json.dumps({"group": group, "tokens": [int(t) for t in tokens]}) + "\n"
+    def add(self, tokens: Sequence[int], group: str | None = None, traj: str | None = None) -> None:
+        """One trajectory; ``traj``: its id (the agent loop's ``traj_id``, the part of its requests'
+        rids before ``#``), recorded for offline checks of the server's drafts; the corpus reads
+        ``group`` and ``tokens`` only."""
+        rec = {"group": group, "tokens": [int(t) for t in tokens]}
+        if traj is not None:
+            rec["traj"] = traj
+        line = json.dumps(rec) + "\n"
         with self._lock, open(self.path, "a") as f:
             f.write(line)
 
     def add_trajectories(self, trajectories) -> int:
-        """``megatron_harts.tree.Trajectory`` records (``tokens``, ``group_id``); returns the count."""
+        """``megatron_harts.tree.Trajectory`` records (``tokens``, ``group_id``, ``traj_id``); returns
+        the count."""
         n = 0
         for t in trajectories:
-            self.add(list(np.asarray(t.tokens).tolist()), getattr(t, "group_id", None))
+            self.add(list(np.asarray(t.tokens).tolist()), getattr(t, "group_id", None), getattr(t, "traj_id", None))
             n += 1
         return n
 
@@ -521,6 +536,8 @@ class SuffixCorpus(_HostTiming):
                  "compiled" if suffix_native() is not None else "Python")
         self.ctx: dict[str, ContextIndex] = {}
         self.feed = feed if feed is not None else os.environ.get(CORPUS_ENV)
+        path = os.environ.get(DRAFT_LOG_ENV, "").strip()
+        self._draft_log = open(path, "a", buffering=1 << 16) if path else None   # DRAFT_LOG_ENV
         self.poll_s, self._pos, self._last_poll = poll_s, 0, 0.0
         self.stats = {"calls": 0, "drafted": 0, "fed": 0, "reused": 0, "indexed": 0}
         # host time per scheduler step (perf_counter seconds). Before the verify forward, on the
@@ -649,6 +666,8 @@ class SuffixCorpus(_HostTiming):
                     c.extend(toks[len(toks) - new:])
             d = self.drafter.draft(c, group_of(rid), budget=n - 1)
             k = len(d.tokens)
+            if self._draft_log is not None:
+                self._log_draft(rid, c.tokens, d)
             o = b * n
             ids[o] = c.tokens[-1] if c.tokens else 0
             ids[o + 1:o + k + 1] = d.tokens
@@ -668,7 +687,17 @@ class SuffixCorpus(_HostTiming):
             r += self._unused[k + 1:]                        # unused nodes: leaves under the root
             rows += r
         mask = nat.tree_masks(parents, counts, n) if nat is not None else _bits_to_mask(rows, n)
+        if self._draft_log is not None:
+            self._draft_log.flush()          # a server is often ended by SIGKILL: nothing left buffered
         return np.array(ids, dtype=np.int64), mask
+
+    def _log_draft(self, rid: str, tokens: list[int], d) -> None:
+        """One line of ``$HARTS_SUFFIX_DRAFT_LOG``: ``{"rid", "n": context length, "tail": its last
+        DRAFT_LOG_TAIL tokens, "draft": tokens, "parents": parent indices (-1: the root; null: a
+        chain), "source", "match"}``."""
+        self._draft_log.write(json.dumps({"rid": rid, "n": len(tokens), "tail": tokens[-DRAFT_LOG_TAIL:],
+                                          "draft": list(d.tokens), "parents": d.parents, "source": d.source,
+                                          "match": d.match_len}, separators=(",", ":")) + "\n")
 
     # external corpus API of NGRAMWorker (its HTTP endpoint is NGRAM-only; these index the same way)
     def load_external_corpus_named(self, corpus_id: str, chunks) -> int:
