@@ -236,14 +236,16 @@ _RID_BASE = itertools.count(1)
 
 
 def _step(engines, pick, args, concurrency: int, n_tasks: int, group: int, feed=None, strict: bool = True,
-          max_turns: int | None = None) -> dict:
-    """One rollout step; ``strict``: exit on a failed episode (else the row counts them)."""
+          max_turns: int | None = None, seed: int = 1) -> dict:
+    """One rollout step; ``strict``: exit on a failed episode (else the row counts them); ``seed``: the
+    loop's sampling seed (each request's is derived from it, its trajectory and turn: the same seed
+    on the same tasks samples the same trajectories again, up to the GPU's numerics)."""
     from megatron_harts.rollout.agent_loop import AgentLoop, RolloutConfig, sticky_least_loaded
     from megatron_harts.rollout.envs import make_env
     from megatron_harts.rollout.tokenizer import ByteTokenizer
 
     cfg = RolloutConfig(group_size=group, max_new_tokens=args.max_new_tokens, max_turns=max_turns or args.max_turns,
-                        temperature=1.0, max_concurrency=concurrency, seed=1,
+                        temperature=1.0, max_concurrency=concurrency, seed=seed,
                         max_context_tokens=getattr(args, "max_context", None) or 4096)
     counted = [Counting(e) for e in engines]
     wrap = ForcedCall if args.force_calls else (lambda e: e)
@@ -646,6 +648,14 @@ def part_h200(args, sink) -> None:
                         log.warning("flush_cache on %s failed: %s", s_.url, e)
                     time.sleep(1.0)
 
+    def rep_seed(k: int) -> int:
+        """The sampling seed of measured rep ``k`` (the same for every variant in a rep, so the reps pair):
+        ``--rep-seeds new`` a new one per rep, as each RL step samples afresh; ``same``: the first RL
+        step's, as runs 1-18 did. (Their reps did not repeat step 1's trajectories: the servers' sampled
+        tokens do not follow the request seed; a rep's trajectory shares ~the prompt with step 1's, as
+        with a sibling's.)"""
+        return 1 if args.rep_seeds == "same" else 1001 + k
+
     def low(policy: str, srv: SGLangServer, feed: Path) -> None:
         """Step 1 (corpora, kernels), then the measured step 2 on one server."""
         conc = args.low_tasks * args.group
@@ -660,7 +670,7 @@ def part_h200(args, sink) -> None:
         clock.phase("low %s step 1: %s", policy, r1)
         steps_low.append(r1["makespan_s"])
         r = _step([srv.engine(timeout=timeout())], None, args, conc, args.low_tasks, args.group,
-                  feed=TrajectoryFeed(feed), strict=False)
+                  feed=TrajectoryFeed(feed), strict=False, seed=rep_seed(0))
         steps_low.append(r["makespan_s"])
         try:
             acc = _sglang_accept(srv.url)
@@ -803,7 +813,7 @@ def part_h200(args, sink) -> None:
                     break
                 for v in order[k % len(order):] + order[:k % len(order)]:
                     r = _step([live[v].engine(timeout=timeout())], None, args, conc, args.low_tasks, args.group,
-                              feed=feeds[v], strict=False)
+                              feed=feeds[v], strict=False, seed=rep_seed(k))
                     steps_low.append(r["makespan_s"])
                     reps[v].append(r)
                     clock.phase("low %s rep %d: %s", v, k, r)
@@ -838,7 +848,8 @@ def part_h200(args, sink) -> None:
                               spread={"tokens_per_s": [min(x["tokens_per_s"] for x in rs),
                                                        max(x["tokens_per_s"] for x in rs)],
                                       "makespan_s": [min(x["makespan_s"] for x in rs), max(x["makespan_s"] for x in rs)]},
-                              rep_rows=rs, greedy_check=check.get(v) if v != "none" else None,
+                              rep_rows=rs, rep_seeds=args.rep_seeds,
+                              greedy_check=check.get(v) if v != "none" else None,
                               draft_log=_draft_log_row(logs, v),
                               # the server's last host-time / verify wall-time lines (every 500 steps)
                               server_timing=server_timing((logs / f"low_{variant_slug(v)}.log").read_text(
@@ -1258,6 +1269,9 @@ def main(argv=None) -> int:
                    help="h200: run NGRAM as HARTS_NGRAM_TIMED (SGLang's NGRAM worker and C++ corpus, its host time "
                         "per scheduler step logged every 500 steps like HARTS_SUFFIX's); both speculating servers "
                         "then also log their verify steps' wall time by batch size ($HARTS_SPEC_STEP_WALL=1)")
+    p.add_argument("--rep-seeds", choices=("new", "same"), default="new",
+                   help="h200 low load: a new sampling seed per measured rep (as RL steps; default), or the first "
+                        "step's seed every rep (runs 1-18)")
     p.add_argument("--timing-every", type=int, default=100,
                    help="h200: scheduler steps between the servers' host-time / verify-step timing lines")
     p.add_argument("--log-drafts", action="store_true",

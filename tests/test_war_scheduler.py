@@ -583,3 +583,34 @@ def test_bench_draft_log_row_checks_the_suffix_servers_drafts(tmp_path):
     r = subprocess.run([sys.executable, str(script), "--parts", "h200", "--timing-every", "0"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "--timing-every must be >= 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_step_samples_with_the_seed_it_is_given(monkeypatch):
+    """``_step(..., seed=k)`` is the loop's sampling seed (``--rep-seeds new`` gives each measured rep
+    its own, the same for every variant; runs 1-18 used 1 for every rep), default 1 for the parts
+    that do not pass one."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import megatron_harts.rollout.agent_loop as agent_loop
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_war.py"
+    spec = importlib.util.spec_from_file_location("bench_war_for_test", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = []
+
+    class FakeLoop:
+        def __init__(self, engines, tok, env_factory, cfg, pick_engine=None):
+            seen.append(cfg.seed)
+
+        def rollout(self, tasks):
+            return SimpleNamespace(failed=[], trajectories=[], stats={"generated_tokens": 10, "trajectories": 0,
+                                                                       "turns": 0, "reward_mean": 0.0})
+
+    monkeypatch.setattr(agent_loop, "AgentLoop", FakeLoop)
+    args = SimpleNamespace(max_new_tokens=8, max_turns=2, force_calls=0, family="lookup", max_context=None)
+    bench._step([], None, args, 2, 1, 2)
+    bench._step([], None, args, 2, 1, 2, seed=1003)
+    assert seen == [1, 1003]
