@@ -238,8 +238,7 @@ _RID_BASE = itertools.count(1)
 def _step(engines, pick, args, concurrency: int, n_tasks: int, group: int, feed=None, strict: bool = True,
           max_turns: int | None = None, seed: int = 1) -> dict:
     """One rollout step; ``strict``: exit on a failed episode (else the row counts them); ``seed``: the
-    loop's sampling seed (each request's is derived from it, its trajectory and turn: the same seed
-    on the same tasks samples the same trajectories again, up to the GPU's numerics)."""
+    loop's sampling seed (each request's is derived from it, its trajectory and turn)."""
     from megatron_harts.rollout.agent_loop import AgentLoop, RolloutConfig, sticky_least_loaded
     from megatron_harts.rollout.envs import make_env
     from megatron_harts.rollout.tokenizer import ByteTokenizer
@@ -851,7 +850,7 @@ def part_h200(args, sink) -> None:
                               rep_rows=rs, rep_seeds=args.rep_seeds,
                               greedy_check=check.get(v) if v != "none" else None,
                               draft_log=_draft_log_row(logs, v),
-                              # the server's last host-time / verify wall-time lines (every 500 steps)
+                              # the server's host-time / verify wall-time lines (every --timing-every steps)
                               server_timing=server_timing((logs / f"low_{variant_slug(v)}.log").read_text(
                                   errors="replace")) or None))
                 clock.phase("row low %s: %s", v, {k_: sink.rows[-1].get(k_) for k_ in
@@ -1275,8 +1274,9 @@ def main(argv=None) -> int:
     p.add_argument("--timing-every", type=int, default=100,
                    help="h200: scheduler steps between the servers' host-time / verify-step timing lines")
     p.add_argument("--log-drafts", action="store_true",
-                   help="h200 low load: the suffix server logs every draft; each row gets draft_log, the drafts "
-                        "checked against the trajectories it generated (replay.draft_log_acceptance)")
+                   help="h200 low load: the suffix server logs every draft (a JSON line per draft: host time, so "
+                        "not for the timing comparison); each row gets draft_log, the drafts checked against the "
+                        "trajectories it generated (replay.draft_log_acceptance)")
     p.add_argument("--py-spy", default=None, metavar="BIN",
                    help="h200 low load (--low-reps): a py-spy binary sampling each server from the first rep")
     p.add_argument("--py-spy-s", type=float, default=60.0, help="with --py-spy: seconds sampled")
