@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", default="ref_tree,ours_tree,ref_chain,ours_chain,sglang_ngram")
     p.add_argument("--queued", action="store_true", help="index finished trajectories as the feed does (timed)")
+    p.add_argument("--rl-steps", default=None, metavar="K,K",
+                   help="replay only the streams of these RL steps (e.g. 0: empty corpora, as a run's first step)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--before", default=None, metavar="REV",
                    help="git revision whose war/suffix.py the before_tree / before_chain methods time")
@@ -77,6 +79,14 @@ def main(argv=None) -> int:
         streams = load_streams(args.streams)
     except ValueError as e:
         p.error(f"--streams: {e}")
+    if args.rl_steps is not None:
+        try:
+            keep = {int(x) for x in args.rl_steps.split(",")}
+        except ValueError:
+            p.error(f"--rl-steps: comma list of integers, got {args.rl_steps!r}")
+        streams = [s for s in streams if s.step in keep]
+        if not streams:
+            p.error(f"--rl-steps {args.rl_steps}: no stream of {args.streams} is in these steps")
     n = args.draft_tokens
     before = _suffix_at(args.before, p) if args.before else None
 

@@ -305,7 +305,9 @@ def test_bench_war_steps_rejects_bad_streams_and_methods_with_one_line(tmp_path)
              (["--streams", str(tmp_path / "notjson.jsonl")], "notjson.jsonl:2: not JSON"),
              (["--methods", "ours_tree,bogus"], "--methods: unknown bogus"),
              (["--methods", "before_tree"], "needs --before REV"),
-             (["--methods", "before_tree", "--before", "no-such-revision"], "--before no-such-revision:")]
+             (["--methods", "before_tree", "--before", "no-such-revision"], "--before no-such-revision:"),
+             (["--rl-steps", "0,x"], "--rl-steps: comma list of integers"),
+             (["--rl-steps", "7"], "--rl-steps 7: no stream")]
     for argv, want in cases:
         r = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (argv, r.stderr)
