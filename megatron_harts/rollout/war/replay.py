@@ -457,21 +457,25 @@ class NgramStep:
         pass
 
 
-def tree_accept(ids: Sequence[int], mask: np.ndarray, target: Sequence[int]) -> int:
-    """Tokens accepted by greedy tree verification: the longest root path of the draft tree
-    (``ids`` ``[n]``, node 0 the root; ``mask`` ``[n, n]`` bool, ``mask[i, j]``: node ``j`` is
-    ``i`` or its ancestor) whose tokens equal ``target``'s prefix (unused nodes included, as
-    SGLang verifies them)."""
-    n = len(ids)
-    depth = mask.sum(axis=1)                     # 1 + number of ancestors
-    parent = [-1] + [int(np.flatnonzero(mask[i, :i])[-1]) for i in range(1, n)]
-    best, ok = 0, [True] + [False] * (n - 1)
-    for i in range(1, n):
-        d = int(depth[i]) - 1                    # tokens on the path to i
-        if ok[parent[i]] and d <= len(target) and ids[i] == target[d - 1]:
-            ok[i] = True
-            best = max(best, d)
+def parents_accept(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> int:
+    """Tokens accepted by greedy tree verification of a draft given as ``tokens`` and their
+    ``parents`` (indices into ``tokens``, each before its child; -1: a child of the root): the
+    longest root path whose tokens equal ``target``'s prefix."""
+    depth, ok, best = [0] * len(tokens), [False] * len(tokens), 0
+    for i, (t, p) in enumerate(zip(tokens, parents)):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+        ok[i] = (p < 0 or ok[p]) and depth[i] <= len(target) and t == target[depth[i] - 1]
+        if ok[i]:
+            best = max(best, depth[i])
     return best
+
+
+def tree_accept(ids: Sequence[int], mask: np.ndarray, target: Sequence[int]) -> int:
+    """:func:`parents_accept` of a draft in SGLang's layout: ``ids`` ``[n]``, node 0 the root;
+    ``mask`` ``[n, n]`` bool, ``mask[i, j]``: node ``j`` is ``i`` or its ancestor (unused nodes
+    included, as SGLang verifies them)."""
+    parent = [int(np.flatnonzero(mask[i, :i])[-1]) - 1 for i in range(1, len(ids))]   # -1: the root
+    return parents_accept(list(ids[1:]), parent, target)
 
 
 def draft_log_acceptance(draft_log: str, feed: str) -> dict:
@@ -517,14 +521,9 @@ def draft_log_acceptance(draft_log: str, feed: str) -> dict:
             unplaced += 1
             continue
         placed += 1
-        target, draft = toks[n:], r["draft"]
+        draft = r["draft"]
         parents = r["parents"] if r["parents"] is not None else list(range(-1, len(draft) - 1))
-        depth, ok, acc = [0] * len(draft), [False] * len(draft), 0
-        for j, (t, p) in enumerate(zip(draft, parents)):
-            depth[j] = 1 if p < 0 else depth[p] + 1
-            ok[j] = (p < 0 or ok[p]) and depth[j] <= len(target) and t == target[depth[j] - 1]
-            if ok[j]:
-                acc = max(acc, depth[j])
+        acc = parents_accept(draft, parents, toks[n:])
         acc_sum += acc
         src = by_source.setdefault(r["source"] or "none", [0, 0])
         src[0] += 1

@@ -102,7 +102,6 @@ class NativeExpansion:
             raise MemoryError("suffix_expand.c: expand_tree ran out of memory")
         return self._tok[:n].tolist(), self._prob[:n].tolist(), self._par[:n].tolist()
 
-
     def context(self, arr: int, n: int, hi: int, min_match: int, factor: float, offset: float, budget: int,
                 tree: bool, max_depth: int, min_prob: float):
         """``ContextIndex.draft`` of the context ``arr[:n]`` (address of int64 ``[>= n]``) in one call:
@@ -120,7 +119,6 @@ class NativeExpansion:
             return m, [], [], ([] if tree else None)
         return m, self._tok[:k].tolist(), self._prob[:k].tolist(), (self._par[:k].tolist() if tree else None)
 
-
     def corpus_match(self, arr: int, n_valid: int, sep: int, occ: np.ndarray, ctx: int, n_ctx: int, hi: int):
         """``CorpusIndex._search``'s rule from the trigram's occurrences ``occ`` (int64 array,
         ascending) in the buffer at ``arr``, for the context at address ``ctx`` (int64 ``[n_ctx]``):
@@ -133,7 +131,6 @@ class NativeExpansion:
         if not cnt:
             return 0, None
         return int(self._m[0]), self._ends_buf[:cnt].copy()
-
 
     def tree_masks(self, parents: list[int], counts: list[int], n: int) -> np.ndarray:
         """The verify batch's tree masks, bool ``[len(counts) * n * n]`` (row-major): request ``b``
